@@ -1,0 +1,22 @@
+"""tieredckpt: crash-safe, pickle-free, tiered checkpoints for PyTorch training runs."""
+
+from .errors import (BackgroundSaveError, CheckpointExistsError, CheckpointNotFoundError,
+                     ChecksumMismatchError, CorruptCheckpointError, FlatFormatError, ManifestError,
+                     MissingShardError, ShardCountMismatchError, TieredCkptError,
+                     UnsupportedStateError, WorldSizeMismatchError)
+from .flat import FlatCheckpoint, flat_to_model, model_to_flat, read_flat, write_flat
+from .local import LocalTier
+from .manifest import ShardEntry, ShardManifest
+from .retention import AnyOf, KeepEvery, KeepLast
+from .sharded import load_sharded, save_sharded, verify_checkpoint
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AnyOf", "BackgroundSaveError", "CheckpointExistsError", "CheckpointNotFoundError",
+    "ChecksumMismatchError", "CorruptCheckpointError", "FlatCheckpoint", "FlatFormatError",
+    "KeepEvery", "KeepLast", "LocalTier", "ManifestError", "MissingShardError",
+    "ShardCountMismatchError", "ShardEntry", "ShardManifest", "TieredCkptError",
+    "UnsupportedStateError", "WorldSizeMismatchError", "__version__", "flat_to_model",
+    "load_sharded", "model_to_flat", "read_flat", "save_sharded", "verify_checkpoint", "write_flat",
+]

@@ -1,0 +1,123 @@
+"""The local commit protocol: temp name, fsync, rename, fsync the parent.
+
+POSIX ``rename`` within one filesystem is atomic, and a directory entry is only
+durable once its parent directory is fsynced. Every helper here keeps the rule
+"the final name appears only after everything under it is durable", so a crash
+at any instant leaves either the old state or the complete new one.
+
+Scratch entries (``*.tmp-<pid>-<hex>``, ``*.del-<pid>-<hex>``) carry their
+writer's pid; :func:`clean_stale` removes only those whose writer is dead, so a
+cleaner never pulls the floor out from under a live writer on the same node.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+from pathlib import Path
+
+from . import layout
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_all(fd: int, data) -> None:
+    """``os.write`` until every byte of ``data`` is written (writes may be partial)."""
+    view = memoryview(data).cast("B")
+    while view:
+        written = os.write(fd, view)
+        view = view[written:]
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Replace ``path`` with ``data``: write a sibling temp, fsync, rename, fsync dir."""
+    path = Path(path)
+    tmp = path.with_name(layout.scratch_name(path.name))
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        write_all(fd, data)
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        _unlink_quietly(tmp)
+        raise
+    os.close(fd)
+    try:
+        os.replace(tmp, path)  # atomic: readers see the old or the new file
+    except BaseException:
+        _unlink_quietly(tmp)
+        raise
+    fsync_dir(path.parent)  # make the rename itself durable
+
+
+def make_scratch_dir(final: Path) -> Path:
+    """A fresh sibling directory of ``final`` (same filesystem) to build it in."""
+    tmp = final.with_name(layout.scratch_name(final.name))
+    tmp.mkdir()
+    return tmp
+
+
+def commit_dir(tmp: Path, final: Path) -> None:
+    """Publish a fully written, fsynced scratch directory under its final name.
+
+    Order: fsync(tmp) so its entries are durable -> rename(tmp, final), which
+    fails rather than replace an existing ``final`` -> fsync(parent) so the new
+    name survives a power cut. Before the rename the checkpoint does not exist;
+    after it, it is complete.
+    """
+    fsync_dir(tmp)
+    if final.exists():
+        raise FileExistsError(errno.EEXIST, "already exists", str(final))
+    os.rename(tmp, final)
+    fsync_dir(final.parent)
+
+
+def remove_dir(path: Path) -> None:
+    """Delete a directory so that no half-deleted copy is ever visible under its name.
+
+    Rename it to a scratch name first (atomic; it vanishes from listings at once,
+    fsynced), then delete the contents. A crash mid-delete leaves only scratch.
+    """
+    doomed = path.with_name(layout.scratch_name(path.name, kind="del"))
+    os.rename(path, doomed)
+    fsync_dir(path.parent)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def clean_stale(parent: Path) -> list[str]:
+    """Remove scratch entries in ``parent`` left by writers that are no longer alive."""
+    removed = []
+    for entry in os.scandir(parent):
+        pid = layout.scratch_owner_pid(entry.name)
+        if pid is None or pid == os.getpid() or _pid_alive(pid):
+            continue
+        if entry.is_dir(follow_symlinks=False):
+            shutil.rmtree(entry.path, ignore_errors=True)
+        else:
+            _unlink_quietly(Path(entry.path))
+        removed.append(entry.name)
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, owned by someone else
+    return True
+
+
+def _unlink_quietly(path: Path) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

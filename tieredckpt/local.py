@@ -1,0 +1,109 @@
+"""The local tier: a run directory of committed checkpoints on fast disk.
+
+Owns listing (a step exists iff ``step_NNNNNN/manifest.json`` exists), the
+``latest`` pointer, rotation and the cleanup of a crashed writer's scratch.
+Writing one checkpoint is sharded.save_sharded's job; the order here is:
+
+  1. save_sharded commits ``step_NNNNNN/`` atomically (data, manifest, rename);
+  2. only then ``latest`` is replaced atomically to name it (never ahead of data);
+  3. only then rotation deletes old steps -- never the one ``latest`` names nor
+     any step the caller protects -- each by rename-then-delete.
+A crash between any two steps leaves a consistent run directory.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+from . import layout
+from .atomic import atomic_write_bytes, clean_stale, remove_dir
+from .errors import CheckpointNotFoundError
+from .manifest import ShardManifest
+from .retention import KeepLast, Policy, plan_eviction
+from .sharded import load_sharded, read_manifest, save_sharded, verify_checkpoint
+
+
+class LocalTier:
+    def __init__(self, root: str | os.PathLike, *, create: bool = True) -> None:
+        self.root = Path(root)
+        if create:
+            self.root.mkdir(parents=True, exist_ok=True)
+        elif not self.root.is_dir():
+            raise CheckpointNotFoundError(f"{self.root}: no such run directory")
+        self._cleaned = False
+
+    def step_path(self, step: int) -> Path:
+        return self.root / layout.step_dir_name(step)
+
+    def steps(self) -> list[int]:
+        """Committed steps, oldest first. Scratch and half-deleted dirs never appear."""
+        found = []
+        for entry in os.scandir(self.root):
+            step = layout.parse_step_dir(entry.name)
+            if step is not None and os.path.exists(os.path.join(entry.path, layout.MANIFEST)):
+                found.append(step)
+        return sorted(found)
+
+    def latest_step(self) -> int | None:
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    def latest_pointer(self) -> int | None:
+        """The step the ``latest`` file names (DeepSpeed-style), if any."""
+        try:
+            return layout.parse_step_dir((self.root / layout.LATEST).read_text().strip())
+        except FileNotFoundError:
+            return None
+
+    def save(self, step: int, states: Sequence[Any], **kwargs) -> ShardManifest:
+        if not self._cleaned:  # a crashed writer's scratch goes on our first save
+            self.clean_stale()
+            self._cleaned = True
+        manifest = save_sharded(states, self.step_path(step), step, **kwargs)
+        self.update_latest()
+        return manifest
+
+    def update_latest(self) -> None:
+        """Point ``latest`` at the newest committed step (atomic replace)."""
+        newest = self.latest_step()
+        if newest is not None and newest != self.latest_pointer():
+            atomic_write_bytes(self.root / layout.LATEST, (layout.step_dir_name(newest) + "\n").encode())
+
+    def manifest(self, step: int) -> ShardManifest:
+        return read_manifest(self._existing(step))
+
+    def load(self, step: int | None = None, world_size: int = 1, verify: str = "crc") -> list[Any]:
+        return load_sharded(self._existing(step), world_size, verify=verify)
+
+    def verify(self, step: int, full: bool = False) -> ShardManifest:
+        return verify_checkpoint(self._existing(step), full=full)
+
+    def rotate(self, policy: Policy | int, protected: Iterable[int] = ()) -> list[int]:
+        """Delete what ``policy`` (or keep-last-N) drops, except protected steps and ``latest``."""
+        if isinstance(policy, int):
+            policy = KeepLast(policy)
+        keep = set(protected)
+        pointer = self.latest_pointer()
+        if pointer is not None:
+            keep.add(pointer)
+        doomed = plan_eviction(self.steps(), policy, keep)
+        for step in doomed:
+            remove_dir(self.step_path(step))
+        return doomed
+
+    def clean_stale(self) -> list[str]:
+        return clean_stale(self.root)
+
+    def _existing(self, step: int | None) -> Path:
+        if step is None:
+            step = self.latest_step()
+            if step is None:
+                raise CheckpointNotFoundError(f"{self.root}: the run has no committed checkpoint")
+        path = self.step_path(step)
+        if not (path / layout.MANIFEST).exists():
+            have = self.steps()
+            raise CheckpointNotFoundError(
+                f"{path}: no committed checkpoint for step {step} (have: {have[-5:] if have else 'none'})")
+        return path

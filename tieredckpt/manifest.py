@@ -1,0 +1,147 @@
+"""The checkpoint manifest: which rank owns which shard, and how to verify it.
+
+The seed schema (``world_size``, ``step``, ``wall_clock_seconds``, ``shards`` of
+``rank``/``path``/``sha256``/``param_shard_offset``/``param_shard_numel``,
+``schema_version``) plus what verification needs: each shard's ``size``,
+``crc32c`` and ``codec``, and the save's ``created_unix`` time.
+
+A manifest read from disk or a bucket is untrusted: :meth:`ShardManifest.from_json`
+checks every field's type and range, that ranks are exactly 0..world_size-1,
+and that every path is a plain relative path inside the checkpoint directory.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import PurePosixPath
+
+from .errors import ManifestError, ShardCountMismatchError
+
+SCHEMA_VERSION = 1
+MAX_MANIFEST_BYTES = 64 << 20
+_INT_MAX = 2**63 - 1
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+_HEX8 = re.compile(r"^[0-9a-f]{8}$")
+CODECS = ("raw",)
+
+
+@dataclass(frozen=True)
+class ShardEntry:
+    rank: int
+    path: str
+    sha256: str
+    param_shard_offset: int
+    param_shard_numel: int
+    size: int
+    crc32c: str
+    codec: str = "raw"
+
+
+@dataclass(frozen=True)
+class ShardManifest:
+    world_size: int
+    step: int
+    wall_clock_seconds: float
+    shards: list[ShardEntry]
+    schema_version: int = SCHEMA_VERSION
+    created_unix: float = 0.0
+    user: dict = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1, sort_keys=False)
+
+    @classmethod
+    def from_json(cls, text: str | bytes, source: str = "manifest") -> "ShardManifest":
+        """Parse and validate an untrusted manifest; ``source`` names it in errors."""
+        if len(text) > MAX_MANIFEST_BYTES:
+            raise ManifestError(f"{source}: {len(text)} bytes is too large for a manifest")
+        try:
+            raw = json.loads(text)
+        except (ValueError, RecursionError) as exc:
+            raise ManifestError(f"{source}: not valid JSON ({exc})") from None
+        return _validate(raw, source)
+
+    @property
+    def total_size(self) -> int:
+        return sum(s.size for s in self.shards)
+
+
+def check_relative_path(path: object, source: str) -> str:
+    """Refuse any path that is not a plain relative path below the checkpoint directory."""
+    if not isinstance(path, str) or not path:
+        raise ManifestError(f"{source}: shard path {path!r} is not a non-empty string")
+    pure = PurePosixPath(path)
+    if ("\\" in path or "\x00" in path or pure.is_absolute()
+            or any(part in ("..", ".") for part in path.split("/")) or "" in path.split("/")):
+        raise ManifestError(f"{source}: shard path {path!r} escapes or is not a plain path inside the checkpoint directory")
+    return path
+
+
+def _validate(raw: object, source: str) -> ShardManifest:
+    if not isinstance(raw, dict):
+        raise ManifestError(f"{source}: top level is not a JSON object")
+    version = raw.get("schema_version")
+    if version != SCHEMA_VERSION or type(version) is not int:
+        raise ManifestError(f"{source}: schema_version {version!r} is not supported (this tieredckpt reads {SCHEMA_VERSION})")
+    world_size = _int(raw, "world_size", source, minimum=1)
+    step = _int(raw, "step", source)
+    wall = _number(raw, "wall_clock_seconds", source)
+    created = _number(raw, "created_unix", source, required=False)
+    user = raw.get("user", {})
+    if not isinstance(user, dict):
+        raise ManifestError(f"{source}: 'user' must be an object")
+    shards_raw = raw.get("shards")
+    if not isinstance(shards_raw, list):
+        raise ManifestError(f"{source}: 'shards' must be a list")
+    if len(shards_raw) != world_size:
+        raise ShardCountMismatchError(
+            f"{source}: lists {len(shards_raw)} shards for world_size {world_size}")
+    shards = [_shard(s, f"{source}: shards[{i}]") for i, s in enumerate(shards_raw)]
+    ranks = sorted(s.rank for s in shards)
+    if ranks != list(range(world_size)):
+        raise ManifestError(f"{source}: shard ranks {ranks} are not exactly 0..{world_size - 1} (duplicate or missing rank)")
+    paths = [s.path for s in shards]
+    if len(set(paths)) != len(paths):
+        raise ManifestError(f"{source}: two shards share one path")
+    shards.sort(key=lambda s: s.rank)
+    return ShardManifest(world_size, step, wall, shards, version, created or 0.0, user)
+
+
+def _shard(raw: object, where: str) -> ShardEntry:
+    if not isinstance(raw, dict):
+        raise ManifestError(f"{where} is not an object")
+    offset = _int(raw, "param_shard_offset", where)
+    numel = _int(raw, "param_shard_numel", where)
+    if offset + numel > _INT_MAX:
+        raise ManifestError(f"{where}: param_shard_offset + param_shard_numel overflows")
+    sha, crc = raw.get("sha256"), raw.get("crc32c")
+    if not isinstance(sha, str) or not _HEX64.match(sha):
+        raise ManifestError(f"{where}: sha256 {sha!r} is not 64 lowercase hex digits")
+    if not isinstance(crc, str) or not _HEX8.match(crc):
+        raise ManifestError(f"{where}: crc32c {crc!r} is not 8 lowercase hex digits")
+    codec = raw.get("codec", "raw")
+    if codec not in CODECS:
+        raise ManifestError(f"{where}: unknown codec {codec!r}")
+    return ShardEntry(rank=_int(raw, "rank", where), path=check_relative_path(raw.get("path"), where),
+                      sha256=sha, param_shard_offset=offset, param_shard_numel=numel,
+                      size=_int(raw, "size", where), crc32c=crc, codec=codec)
+
+
+def _int(raw: dict, key: str, where: str, minimum: int = 0) -> int:
+    value = raw.get(key)
+    if type(value) is not int:
+        raise ManifestError(f"{where}: {key!r} must be an integer, got {value!r}")
+    if not minimum <= value <= _INT_MAX:
+        raise ManifestError(f"{where}: {key!r} = {value} is out of range [{minimum}, 2**63-1]")
+    return value
+
+
+def _number(raw: dict, key: str, where: str, required: bool = True) -> float | None:
+    value = raw.get(key)
+    if value is None and not required:
+        return None
+    if type(value) not in (int, float) or not 0 <= value < 1e15:
+        raise ManifestError(f"{where}: {key!r} must be a non-negative number, got {value!r}")
+    return float(value)

@@ -1,0 +1,150 @@
+"""One checkpoint directory: shards of every rank plus the manifest, committed atomically.
+
+    save_sharded(state_dict_per_rank, dir, step) -> ShardManifest
+    load_sharded(dir, expected_world_size, verify="crc") -> [state of rank 0, 1, ...]
+    verify_checkpoint(dir, full=False) -> ShardManifest
+
+Crash safety of a save, in order:
+  1. everything is written inside ``<dir>.tmp-<pid>-<hex>/``, a sibling on the
+     same filesystem; the final name does not exist yet;
+  2. each shard is written and fsynced (write_shard);
+  3. the manifest, which names every shard with its size and checksums, is
+     written and fsynced last;
+  4. the temp directory is fsynced, renamed to ``dir`` and the parent fsynced.
+A crash before 4 leaves only scratch (removed by atomic.clean_stale); after 4
+the checkpoint is complete. No manifest ever points at a partial shard.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+from . import layout, tree
+from .atomic import commit_dir, make_scratch_dir, write_all
+from .checksum import file_digest
+from .errors import (CheckpointExistsError, CheckpointNotFoundError, ChecksumMismatchError,
+                     ManifestError, MissingShardError, WorldSizeMismatchError)
+from .manifest import ShardEntry, ShardManifest
+from .shardfile import read_shard, write_shard
+
+
+def save_sharded(state_dict_per_rank: Sequence[Any], dir: str | os.PathLike, step: int, *,
+                 wall_clock_seconds: float = 0.0,
+                 param_shards: Sequence[tuple[int, int]] | None = None,
+                 user: dict | None = None) -> ShardManifest:
+    """Write one shard file per rank, then the manifest, and commit ``dir`` atomically.
+
+    ``param_shards`` gives each rank's ``(param_shard_offset, param_shard_numel)``
+    in the flat parameter space; by default each rank owns as many elements as
+    its tensors hold, laid end to end in rank order.
+    """
+    final = Path(dir)
+    if final.exists():
+        raise CheckpointExistsError(f"{final}: a checkpoint is already committed here; it is never overwritten")
+    if not state_dict_per_rank:
+        raise ValueError("state_dict_per_rank is empty: nothing to save")
+    spans = list(param_shards) if param_shards is not None else _default_spans(state_dict_per_rank)
+    if len(spans) != len(state_dict_per_rank):
+        raise ValueError(f"param_shards has {len(spans)} entries for {len(state_dict_per_rank)} ranks")
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = make_scratch_dir(final)
+    try:
+        entries = []
+        for rank, state in enumerate(state_dict_per_rank):
+            name = layout.shard_name(rank)
+            digest = write_shard(tmp / name, state)  # fsynced inside
+            entries.append(ShardEntry(rank=rank, path=name, sha256=digest.sha256, size=digest.size,
+                                      crc32c=digest.crc32c, param_shard_offset=spans[rank][0],
+                                      param_shard_numel=spans[rank][1]))
+        manifest = ShardManifest(world_size=len(entries), step=step,
+                                 wall_clock_seconds=float(wall_clock_seconds), shards=entries,
+                                 created_unix=time.time(), user=dict(user or {}))
+        write_manifest(tmp, manifest)  # last: names only durable shards
+        commit_dir(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return manifest
+
+
+def write_manifest(directory: Path, manifest: ShardManifest) -> None:
+    """Write ``manifest.json`` into a scratch directory and fsync it."""
+    fd = os.open(directory / layout.MANIFEST, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        write_all(fd, manifest.to_json().encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _default_spans(states: Sequence[Any]) -> list[tuple[int, int]]:
+    spans, offset = [], 0
+    for state in states:
+        numel = sum(t.numel() for t in tree.flatten(state)[1])
+        spans.append((offset, numel))
+        offset += numel
+    return spans
+
+
+def read_manifest(dir: str | os.PathLike) -> ShardManifest:
+    """The validated manifest of a committed checkpoint directory."""
+    directory = Path(dir)
+    if not directory.is_dir():
+        raise CheckpointNotFoundError(f"{directory}: no such checkpoint directory")
+    path = directory / layout.MANIFEST
+    try:
+        text = path.read_bytes()
+    except FileNotFoundError:
+        raise ManifestError(f"{path}: missing; {directory} is not a committed checkpoint") from None
+    return ShardManifest.from_json(text, source=str(path))
+
+
+def shard_paths(dir: str | os.PathLike, manifest: ShardManifest) -> list[Path]:
+    """Each shard's path, checked to exist, to match its recorded size, and to stay inside ``dir``."""
+    root = Path(dir).resolve()
+    paths = []
+    for entry in manifest.shards:
+        path = Path(dir) / entry.path
+        if not path.resolve().is_relative_to(root):
+            raise ManifestError(f"{path}: resolves outside the checkpoint directory {root} (symlink?)")
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            raise MissingShardError(f"{path}: shard of rank {entry.rank} is missing") from None
+        if size != entry.size:
+            raise ChecksumMismatchError(
+                f"{path}: {size} bytes on disk but the manifest records {entry.size} "
+                f"({'truncated or partial write' if size < entry.size else 'file grew'})")
+        paths.append(path)
+    return paths
+
+
+def load_sharded(dir: str | os.PathLike, expected_world_size: int, verify: str = "crc") -> list[Any]:
+    """Every rank's state, verified; raises before returning anything if any part is bad.
+
+    ``verify``: "crc" (fast, crc32c), "sha256" (full), or "none" (sizes only).
+    """
+    manifest = read_manifest(dir)
+    if manifest.world_size != expected_world_size:
+        raise WorldSizeMismatchError(
+            f"{Path(dir) / layout.MANIFEST}: written by world_size {manifest.world_size}, "
+            f"loading with {expected_world_size} (reshard it to change the world size)")
+    paths = shard_paths(dir, manifest)  # cheap checks on every shard before reading any
+    return [read_shard(path, size=e.size, crc32c=e.crc32c, sha256=e.sha256, verify=verify)
+            for path, e in zip(paths, manifest.shards)]
+
+
+def verify_checkpoint(dir: str | os.PathLike, full: bool = False) -> ShardManifest:
+    """Check every shard's size and crc32c (and sha256 when ``full``) without decoding."""
+    manifest = read_manifest(dir)
+    for path, entry in zip(shard_paths(dir, manifest), manifest.shards):
+        got = file_digest(path, sha256=full)
+        if got.crc32c != entry.crc32c:
+            raise ChecksumMismatchError(f"{path}: crc32c {got.crc32c} does not match the manifest's {entry.crc32c} (corrupt)")
+        if full and got.sha256 != entry.sha256:
+            raise ChecksumMismatchError(f"{path}: sha256 {got.sha256} does not match the manifest's {entry.sha256} (corrupt)")
+    return manifest

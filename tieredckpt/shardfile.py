@@ -1,0 +1,253 @@
+"""The pickle-free file one rank's state is written in.
+
+The layout is safetensors-compatible, so other tools can read our shards:
+
+    [u64 LE header length N][N bytes JSON header, space padded][raw tensor bytes]
+
+The header maps tensor names to ``{"dtype", "shape", "data_offsets"}``, and its
+``__metadata__["tieredckpt"]`` holds the state's JSON skeleton (see tree.py), so
+nested dicts, int keys, tuples and plain values come back exactly. Tensors are
+laid out largest item size first and the data section starts on a 64-byte
+boundary, so every tensor can be a zero-copy view of one read buffer.
+
+A write is one streaming pass of large sequential writes; crc32c and sha256 are
+computed over the bytes as they go out (see checksum.py). A read loads the file
+into one buffer, verifies it, validates the untrusted header, then makes views.
+Nothing is unpickled or evaluated.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import torch
+
+from . import tree
+from .atomic import write_all
+from .checksum import CHUNK, Digest, StreamDigest
+from .errors import ChecksumMismatchError, CorruptCheckpointError, UnsupportedStateError
+
+FORMAT_KEY = "tieredckpt"
+FORMAT_VERSION = 1
+_ALIGN = 64
+_MAX_HEADER = 256 << 20
+
+_DTYPE_NAMES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+    torch.uint8: "U8", torch.bool: "BOOL",
+}
+for _attr, _name in [("uint16", "U16"), ("uint32", "U32"), ("uint64", "U64"),
+                     ("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2")]:
+    if hasattr(torch, _attr):
+        _DTYPE_NAMES[getattr(torch, _attr)] = _name
+_DTYPES = {name: dtype for dtype, name in _DTYPE_NAMES.items()}
+
+VERIFY_MODES = ("none", "crc", "sha256")
+
+
+def write_shard(path: str | os.PathLike, state: Any, *, sha256: bool = True) -> Digest:
+    """Write ``state`` to a new file at ``path`` (must not exist), fsynced. Returns its digest."""
+    skeleton, tensors, names = tree.flatten(state)
+    return write_flattened(path, skeleton, tensors, names, sha256=sha256)
+
+
+def write_flattened(path, skeleton, tensors: list[torch.Tensor], names: list[str], *,
+                    sha256: bool = True) -> Digest:
+    """Write already-flattened state (see :func:`tree.flatten`) in one streaming pass."""
+    arrays = [_as_bytes(t, name) for t, name in zip(tensors, names)]
+    order = sorted(range(len(tensors)), key=lambda i: -tensors[i].element_size())
+    header_bytes = _encode_header(skeleton, tensors, names, order)
+    digest = StreamDigest(sha256=sha256)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        _emit(fd, digest, memoryview(header_bytes))
+        for i in order:
+            _emit(fd, digest, arrays[i])
+        os.fsync(fd)  # durable before anyone may name this file in a manifest
+    except BaseException:
+        digest.abort()
+        raise
+    finally:
+        os.close(fd)
+    return digest.finish()
+
+
+def _emit(fd: int, digest: StreamDigest, view: memoryview) -> None:
+    for start in range(0, len(view), CHUNK):
+        chunk = view[start:start + CHUNK]
+        digest.update(chunk)
+        write_all(fd, chunk)
+
+
+def _as_bytes(t: torch.Tensor, name: str) -> memoryview:
+    if t.dtype not in _DTYPE_NAMES:
+        raise UnsupportedStateError(f"tensor {name!r} has dtype {t.dtype}, which tieredckpt cannot store")
+    if t.layout != torch.strided or t.is_quantized or t.device.type == "meta":
+        raise UnsupportedStateError(f"tensor {name!r} is {t.layout}/{t.device.type}: only dense tensors are stored")
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.resolve_conj().resolve_neg().contiguous().reshape(-1)
+    if t.numel() == 0:
+        return memoryview(b"")
+    return memoryview(t.view(torch.uint8).numpy()).cast("B")
+
+
+def _encode_header(skeleton, tensors, names, order) -> bytes:
+    header: dict[str, Any] = {}
+    offset = 0
+    for i in order:
+        nbytes = tensors[i].numel() * tensors[i].element_size()
+        header[names[i]] = {"dtype": _DTYPE_NAMES[tensors[i].dtype], "shape": list(tensors[i].shape),
+                            "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    meta = {"version": FORMAT_VERSION, "tree": skeleton, "names": names}
+    header["__metadata__"] = {FORMAT_KEY: json.dumps(meta, separators=(",", ":"))}
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    padded = raw.ljust(-(-(8 + len(raw)) // _ALIGN) * _ALIGN - 8, b" ")  # data starts 64-aligned
+    return len(padded).to_bytes(8, "little") + padded
+
+
+def read_shard(path: str | os.PathLike, *, size: int | None = None, crc32c: str | None = None,
+               sha256: str | None = None, verify: str = "crc") -> Any:
+    """Read, verify and decode a shard. Raises before returning anything if it is bad.
+
+    ``verify``: "crc" checks crc32c (fast), "sha256" checks both, "none" checks
+    only sizes and structure. Expected values come from the manifest.
+    """
+    buf = read_verified(path, size=size, crc32c=crc32c, sha256=sha256, verify=verify)
+    return decode(buf, str(path))
+
+
+def read_verified(path, *, size=None, crc32c=None, sha256=None, verify="crc") -> torch.Tensor:
+    """The file's bytes as one uint8 tensor, after size and checksum checks."""
+    if verify not in VERIFY_MODES:
+        raise ValueError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
+    with open(path, "rb", buffering=0) as f:
+        actual = os.fstat(f.fileno()).st_size
+        if size is not None and actual != size:
+            raise ChecksumMismatchError(
+                f"{path}: {actual} bytes on disk but the manifest records {size} "
+                f"({'truncated or partial write' if actual < size else 'file grew'})")
+        buf = torch.empty(actual, dtype=torch.uint8)
+        view = memoryview(buf.numpy()).cast("B")
+        digest = StreamDigest(sha256=verify == "sha256")
+        try:
+            for start in range(0, actual, CHUNK):
+                chunk = view[start:start + CHUNK]
+                if f.readinto(chunk) != len(chunk):
+                    raise ChecksumMismatchError(f"{path}: file shrank while being read")
+                if verify != "none":
+                    digest.update(chunk)
+        except BaseException:
+            digest.abort()
+            raise
+    got = digest.finish()
+    if verify != "none" and crc32c is not None and got.crc32c != crc32c:
+        raise ChecksumMismatchError(f"{path}: crc32c {got.crc32c} does not match the manifest's {crc32c} (corrupt)")
+    if verify == "sha256" and sha256 is not None and got.sha256 != sha256:
+        raise ChecksumMismatchError(f"{path}: sha256 {got.sha256} does not match the manifest's {sha256} (corrupt)")
+    return buf
+
+
+def read_header(path: str | os.PathLike) -> dict:
+    """The parsed, validated header of a shard file (tensor index and metadata)."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        n = _header_length(f.read(8), size, str(path))
+        raw = f.read(n)
+    header = _parse_header(raw, size - 8 - n, str(path))
+    return header
+
+
+def decode(buf: torch.Tensor, source: str) -> Any:
+    """Turn a verified file buffer into state. ``source`` names the file in errors."""
+    size = buf.numel()
+    n = _header_length(bytes(buf[:8].numpy()) if size >= 8 else b"", size, source)
+    header = _parse_header(bytes(buf[8:8 + n].numpy()), size - 8 - n, source)
+    data = buf[8 + n:]
+    meta = header.pop("__metadata__", {})
+    by_name = {name: _view(data, entry) for name, entry in header.items()}
+    if FORMAT_KEY not in meta:
+        return by_name  # a plain safetensors file: a flat {name: tensor} dict
+    try:
+        info = json.loads(meta[FORMAT_KEY])
+        skeleton, names = info["tree"], info["names"]
+        version = info["version"]
+    except (ValueError, TypeError, KeyError, RecursionError) as exc:
+        raise CorruptCheckpointError(f"{source}: unreadable tieredckpt metadata ({exc})") from None
+    if version != FORMAT_VERSION:
+        raise CorruptCheckpointError(f"{source}: shard format version {version!r} is not supported (expected {FORMAT_VERSION})")
+    if not isinstance(names, list) or not all(isinstance(x, str) and x in by_name for x in names):
+        raise CorruptCheckpointError(f"{source}: metadata names tensors that the header does not hold")
+    return tree.unflatten(skeleton, [by_name[x] for x in names], source)
+
+
+def _header_length(first8: bytes, size: int, source: str) -> int:
+    if len(first8) < 8:
+        raise CorruptCheckpointError(f"{source}: {size} bytes is too short to be a shard file")
+    n = int.from_bytes(first8, "little")
+    if n < 2 or n > size - 8 or n > _MAX_HEADER:
+        raise CorruptCheckpointError(f"{source}: header length {n} is impossible for a {size}-byte file")
+    return n
+
+
+def _parse_header(raw: bytes, data_len: int, source: str) -> dict:
+    try:
+        header = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise CorruptCheckpointError(f"{source}: header is not valid JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise CorruptCheckpointError(f"{source}: header is not a JSON object")
+    meta = header.get("__metadata__", {})
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise CorruptCheckpointError(f"{source}: __metadata__ must map names to strings")
+    spans = []
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        spans.append(_check_entry(name, entry, data_len, source))
+    spans.sort()
+    for (s0, e0, n0), (s1, _, n1) in zip(spans, spans[1:]):
+        if s1 < e0:
+            raise CorruptCheckpointError(f"{source}: tensors {n0!r} and {n1!r} overlap")
+    return header
+
+
+def _check_entry(name, entry, data_len, source):
+    def bad(why):
+        return CorruptCheckpointError(f"{source}: tensor {name!r}: {why}")
+    if not isinstance(entry, dict):
+        raise bad("index entry is not an object")
+    dtype = _DTYPES.get(entry.get("dtype"))
+    if dtype is None:
+        raise bad(f"unknown dtype {entry.get('dtype')!r}")
+    shape, offsets = entry.get("shape"), entry.get("data_offsets")
+    if not isinstance(shape, list) or not all(type(d) is int and 0 <= d < 2**62 for d in shape):
+        raise bad(f"invalid shape {shape!r}")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
+        raise bad(f"invalid data_offsets {offsets!r}")
+    start, end = offsets
+    numel = 1
+    for d in shape:
+        numel *= d
+    if not 0 <= start <= end <= data_len:
+        raise bad(f"data_offsets {offsets} fall outside the {data_len}-byte data section")
+    if end - start != numel * torch.empty((), dtype=dtype).element_size():
+        raise bad(f"{end - start} bytes cannot hold shape {shape} of {entry['dtype']}")
+    return (start, end, name)
+
+
+def _view(data: torch.Tensor, entry: dict) -> torch.Tensor:
+    dtype = _DTYPES[entry["dtype"]]
+    start, end = entry["data_offsets"]
+    if start == end:
+        return torch.empty(entry["shape"], dtype=dtype)
+    raw = data[start:end]
+    try:
+        return raw.view(dtype).view(entry["shape"])
+    except RuntimeError:  # misaligned (a foreign file): copy into an aligned buffer
+        return raw.clone().view(dtype).view(entry["shape"])

@@ -1,0 +1,136 @@
+"""Turning nested state into (a JSON skeleton, a list of tensors) and back.
+
+The skeleton is plain JSON; tensors are replaced by ``{"@t": index}``. Container
+types and dict key types survive the round trip: an optimizer's ``{0: ...}``
+comes back with int keys, ``betas`` comes back as a tuple, a module's
+``OrderedDict`` comes back with its ``_metadata``. Nothing is ever pickled, and
+decoding only builds dicts, lists, tuples and the tensors it is handed.
+
+    node := null | bool | int | float | str
+          | {"@t": i}                       tensor number i
+          | {"@l": [node, ...]}             list
+          | {"@u": [node, ...]}             tuple
+          | {"@d": [[key, node], ...]}      dict, key is a JSON scalar
+          | {"@o": [[key, node], ...], "m": node}   OrderedDict (+ _metadata)
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+import torch
+
+from .errors import CorruptCheckpointError, UnsupportedStateError
+
+_SCALARS = (type(None), bool, int, float, str)
+_MAX_DEPTH = 200
+
+
+def flatten(state: Any) -> tuple[Any, list[torch.Tensor], list[str]]:
+    """Split ``state`` into a JSON skeleton, its tensors, and a readable name per tensor."""
+    tensors: list[torch.Tensor] = []
+    names: list[str] = []
+    used: set[str] = set()
+
+    def name_for(path: tuple) -> str:
+        base = "/".join(str(p) for p in path) or "tensor"
+        name, n = base, 1
+        while name in used:
+            name, n = f"{base}#{n}", n + 1
+        used.add(name)
+        return name
+
+    def walk(obj: Any, path: tuple) -> Any:
+        if len(path) > _MAX_DEPTH:
+            raise UnsupportedStateError(f"state nested deeper than {_MAX_DEPTH} levels at {_where(path)}")
+        if isinstance(obj, torch.Tensor):
+            tensors.append(obj)
+            names.append(name_for(path))
+            return {"@t": len(tensors) - 1}
+        if isinstance(obj, _SCALARS):
+            return _check_scalar(obj, path)
+        if isinstance(obj, dict):
+            items = [[_check_key(k, path), walk(v, path + (k,))] for k, v in obj.items()]
+            if isinstance(obj, OrderedDict):
+                meta = getattr(obj, "_metadata", None)
+                return {"@o": items, "m": walk(meta, path + ("_metadata",))}
+            return {"@d": items}
+        if isinstance(obj, (list, tuple)):
+            tag = "@u" if isinstance(obj, tuple) else "@l"
+            return {tag: [walk(v, path + (i,)) for i, v in enumerate(obj)]}
+        raise UnsupportedStateError(
+            f"cannot store a {type(obj).__module__}.{type(obj).__qualname__} at {_where(path)}: "
+            "state may hold tensors, None, bool, int, float, str, and lists/tuples/dicts of them "
+            "(convert it, e.g. numpy arrays with torch.from_numpy)"
+        )
+
+    skeleton = walk(state, ())
+    return skeleton, tensors, names
+
+
+def unflatten(skeleton: Any, tensors: list[torch.Tensor], source: str = "checkpoint") -> Any:
+    """Rebuild the state from a skeleton read from ``source`` (untrusted) and its tensors."""
+
+    def bad(why: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"{source}: invalid state tree: {why}")
+
+    def build(node: Any, depth: int) -> Any:
+        if depth > _MAX_DEPTH:
+            raise bad(f"nested deeper than {_MAX_DEPTH} levels")
+        if isinstance(node, _SCALARS):
+            return node
+        if not isinstance(node, dict) or len(node) not in (1, 2):
+            raise bad(f"unexpected node {str(node)[:80]!r}")
+        if "@t" in node:
+            index = node["@t"]
+            if type(index) is not int or not 0 <= index < len(tensors):
+                raise bad(f"tensor reference {index!r} out of range (have {len(tensors)})")
+            return tensors[index]
+        if "@l" in node or "@u" in node:
+            seq = node.get("@l", node.get("@u"))
+            if not isinstance(seq, list):
+                raise bad("list node does not hold a list")
+            out = [build(v, depth + 1) for v in seq]
+            return tuple(out) if "@u" in node else out
+        if "@d" in node or "@o" in node:
+            pairs = node.get("@d", node.get("@o"))
+            if not isinstance(pairs, list):
+                raise bad("dict node does not hold a list of pairs")
+            result = OrderedDict() if "@o" in node else {}
+            for pair in pairs:
+                if not (isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], _SCALARS)):
+                    raise bad(f"malformed dict entry {str(pair)[:80]!r}")
+                result[pair[0]] = build(pair[1], depth + 1)
+            if "@o" in node and node.get("m") is not None:
+                result._metadata = build(node["m"], depth + 1)  # type: ignore[attr-defined]
+            return result
+        raise bad(f"unknown node tag {sorted(node)!r}")
+
+    try:
+        return build(skeleton, 0)
+    except RecursionError as exc:
+        raise bad("nested too deeply") from exc
+
+
+def _check_scalar(value: Any, path: tuple) -> Any:
+    if isinstance(value, int) and not isinstance(value, bool) and type(value) is not int:
+        return int(value)  # IntEnum and friends: store the number
+    if isinstance(value, float) and type(value) is not float:
+        return float(value)  # numpy.float64 is a float subclass
+    if isinstance(value, str) and type(value) is not str:
+        return str(value)
+    return value
+
+
+def _check_key(key: Any, path: tuple) -> Any:
+    if isinstance(key, _SCALARS):
+        return _check_scalar(key, path)
+    raise UnsupportedStateError(
+        f"cannot store dict key {key!r} ({type(key).__name__}) at {_where(path)}: "
+        "keys must be str, int, float, bool or None"
+    )
+
+
+def _where(path: tuple) -> str:
+    return "/".join(str(p) for p in path) if path else "the top level"
