@@ -164,3 +164,14 @@ values = st.recursive(
 def test_any_supported_state_round_trips(tmp_path_factory, state):
     out = roundtrip(tmp_path_factory.mktemp("h"), state)
     assert first_difference(state, out) is None
+
+
+def test_loaded_tensors_own_their_storage_so_storage_based_apis_work(tmp_path):
+    rng = torch.get_rng_state()
+    out = roundtrip(tmp_path, {"w": torch.randn(10), "rng": rng, "b": torch.ones(3, dtype=torch.bool)})
+    assert all(t.storage_offset() == 0 for t in out.values())
+    torch.set_rng_state(out["rng"])  # misreads (or crashes) on a tensor at a storage offset
+    assert torch.equal(torch.get_rng_state(), rng)
+    before = (tmp_path / "shard.bin").read_bytes()
+    out["w"].add_(1)  # a private copy-on-write mapping: the file is untouched
+    assert (tmp_path / "shard.bin").read_bytes() == before

@@ -1,6 +1,6 @@
 """tieredckpt: crash-safe, pickle-free, tiered checkpoints for PyTorch training runs."""
 
-from .errors import (BackgroundSaveError, CheckpointExistsError, CheckpointNotFoundError,
+from .errors import (BackgroundSaveError, IncompatibleStateError, CheckpointExistsError, CheckpointNotFoundError,
                      ChecksumMismatchError, CorruptCheckpointError, FlatFormatError, ManifestError,
                      MissingShardError, ShardCountMismatchError, TieredCkptError,
                      UnsupportedStateError, WorldSizeMismatchError)
@@ -8,12 +8,16 @@ from .flat import FlatCheckpoint, flat_to_model, model_to_flat, read_flat, write
 from .local import LocalTier
 from .manifest import ShardEntry, ShardManifest
 from .retention import AnyOf, KeepEvery, KeepLast
+from .rng import capture_rng, restore_rng
+from .runlog import LossHistory, RunLog
 from .sharded import load_sharded, save_sharded, verify_checkpoint
+from .store import CheckpointInfo, CheckpointStore, SaveHandle
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "AnyOf", "BackgroundSaveError", "CheckpointExistsError", "CheckpointNotFoundError",
+    "AnyOf", "BackgroundSaveError", "CheckpointInfo", "CheckpointStore", "IncompatibleStateError",
+    "LossHistory", "RunLog", "SaveHandle", "capture_rng", "restore_rng", "CheckpointExistsError", "CheckpointNotFoundError",
     "ChecksumMismatchError", "CorruptCheckpointError", "FlatCheckpoint", "FlatFormatError",
     "KeepEvery", "KeepLast", "LocalTier", "ManifestError", "MissingShardError",
     "ShardCountMismatchError", "ShardEntry", "ShardManifest", "TieredCkptError",

@@ -6,6 +6,7 @@
      +-- UnsupportedStateError (also TypeError)             a value we refuse to store
      +-- WorldSizeMismatchError (also ValueError)           saved by N ranks, loading with M
      +-- BackgroundSaveError                                a background write failed
+ +-- IncompatibleStateError (also ValueError)           saved state does not fit the live objects
      +-- CorruptCheckpointError (also ValueError)           anything wrong with bytes on disk
           +-- ManifestError                                 manifest missing, unparseable, invalid
           +-- ShardCountMismatchError                       manifest shards != world_size
@@ -42,6 +43,10 @@ class WorldSizeMismatchError(TieredCkptError, ValueError):
 
 class BackgroundSaveError(TieredCkptError):
     """A background write failed; raised at the next call into the store."""
+
+
+class IncompatibleStateError(TieredCkptError, ValueError):
+    """The saved state does not match the model or optimizer it is loaded into."""
 
 
 class CorruptCheckpointError(TieredCkptError, ValueError):

@@ -72,13 +72,13 @@ class LocalTier:
             atomic_write_bytes(self.root / layout.LATEST, (layout.step_dir_name(newest) + "\n").encode())
 
     def manifest(self, step: int) -> ShardManifest:
-        return read_manifest(self._existing(step))
+        return read_manifest(self.require(step))
 
     def load(self, step: int | None = None, world_size: int = 1, verify: str = "crc") -> list[Any]:
-        return load_sharded(self._existing(step), world_size, verify=verify)
+        return load_sharded(self.require(step), world_size, verify=verify)
 
     def verify(self, step: int, full: bool = False) -> ShardManifest:
-        return verify_checkpoint(self._existing(step), full=full)
+        return verify_checkpoint(self.require(step), full=full)
 
     def rotate(self, policy: Policy | int, protected: Iterable[int] = ()) -> list[int]:
         """Delete what ``policy`` (or keep-last-N) drops, except protected steps and ``latest``."""
@@ -96,7 +96,8 @@ class LocalTier:
     def clean_stale(self) -> list[str]:
         return clean_stale(self.root)
 
-    def _existing(self, step: int | None) -> Path:
+    def require(self, step: int | None) -> Path:
+        """The directory of committed ``step`` (newest when None), or CheckpointNotFoundError."""
         if step is None:
             step = self.latest_step()
             if step is None:

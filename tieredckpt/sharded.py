@@ -29,7 +29,8 @@ from .checksum import file_digest
 from .errors import (CheckpointExistsError, CheckpointNotFoundError, ChecksumMismatchError,
                      ManifestError, MissingShardError, WorldSizeMismatchError)
 from .manifest import ShardEntry, ShardManifest
-from .shardfile import read_shard, write_shard
+from .shardfile import read_shard, write_flattened, write_shard
+from .staging import Staged
 
 
 def save_sharded(state_dict_per_rank: Sequence[Any], dir: str | os.PathLike, step: int, *,
@@ -56,7 +57,7 @@ def save_sharded(state_dict_per_rank: Sequence[Any], dir: str | os.PathLike, ste
         entries = []
         for rank, state in enumerate(state_dict_per_rank):
             name = layout.shard_name(rank)
-            digest = write_shard(tmp / name, state)  # fsynced inside
+            digest = _write_rank(tmp / name, state)  # fsynced inside
             entries.append(ShardEntry(rank=rank, path=name, sha256=digest.sha256, size=digest.size,
                                       crc32c=digest.crc32c, param_shard_offset=spans[rank][0],
                                       param_shard_numel=spans[rank][1]))
@@ -81,10 +82,17 @@ def write_manifest(directory: Path, manifest: ShardManifest) -> None:
         os.close(fd)
 
 
+def _write_rank(path: Path, state: Any):
+    if isinstance(state, Staged):  # already snapshotted by the store
+        return write_flattened(path, state.skeleton, state.tensors, state.names)
+    return write_shard(path, state)
+
+
 def _default_spans(states: Sequence[Any]) -> list[tuple[int, int]]:
     spans, offset = [], 0
     for state in states:
-        numel = sum(t.numel() for t in tree.flatten(state)[1])
+        tensors = state.tensors if isinstance(state, Staged) else tree.flatten(state)[1]
+        numel = sum(t.numel() for t in tensors)
         spans.append((offset, numel))
         offset += numel
     return spans
@@ -141,10 +149,51 @@ def load_sharded(dir: str | os.PathLike, expected_world_size: int, verify: str =
 def verify_checkpoint(dir: str | os.PathLike, full: bool = False) -> ShardManifest:
     """Check every shard's size and crc32c (and sha256 when ``full``) without decoding."""
     manifest = read_manifest(dir)
+    verify_checkpoint_files(dir, manifest, full)
+    return manifest
+
+
+def copy_checkpoint(src: str | os.PathLike, dst: str | os.PathLike) -> ShardManifest:
+    """Copy a committed checkpoint to ``dst`` with the same protocol as a save.
+
+    Shards are copied into a scratch sibling of ``dst`` and fsynced, the copy
+    is verified against the manifest (crc32c), the manifest goes in last, then
+    the directory is committed by rename. A crash leaves only scratch.
+    """
+    manifest = read_manifest(src)
+    final = Path(dst)
+    if final.exists():
+        raise CheckpointExistsError(f"{final}: a checkpoint is already committed here; it is never overwritten")
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = make_scratch_dir(final)
+    try:
+        for path, entry in zip(shard_paths(src, manifest), manifest.shards):
+            target = tmp / entry.path
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(path, target)
+            _fsync(target)
+        verify_checkpoint_files(tmp, manifest)
+        write_manifest(tmp, manifest)
+        commit_dir(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return manifest
+
+
+def verify_checkpoint_files(dir: str | os.PathLike, manifest: ShardManifest, full: bool = False) -> None:
+    """Check the shards in ``dir`` against ``manifest`` (sizes, crc32c, and sha256 if ``full``)."""
     for path, entry in zip(shard_paths(dir, manifest), manifest.shards):
         got = file_digest(path, sha256=full)
         if got.crc32c != entry.crc32c:
             raise ChecksumMismatchError(f"{path}: crc32c {got.crc32c} does not match the manifest's {entry.crc32c} (corrupt)")
         if full and got.sha256 != entry.sha256:
             raise ChecksumMismatchError(f"{path}: sha256 {got.sha256} does not match the manifest's {entry.sha256} (corrupt)")
-    return manifest
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -26,7 +26,7 @@ import torch
 
 from . import tree
 from .atomic import write_all
-from .checksum import CHUNK, Digest, StreamDigest
+from .checksum import CHUNK, Digest, StreamDigest, digest_buffer, map_file
 from .errors import ChecksumMismatchError, CorruptCheckpointError, UnsupportedStateError
 
 FORMAT_KEY = "tieredckpt"
@@ -123,30 +123,24 @@ def read_shard(path: str | os.PathLike, *, size: int | None = None, crc32c: str 
 
 
 def read_verified(path, *, size=None, crc32c=None, sha256=None, verify="crc") -> torch.Tensor:
-    """The file's bytes as one uint8 tensor, after size and checksum checks."""
+    """The file's bytes as one uint8 tensor, after size and checksum checks.
+
+    The tensor is a private copy-on-write mapping of the file: no copy, no
+    fresh pages, and writes to it never reach the file. Committed shards are
+    immutable, and the mapping stays valid if rotation unlinks the file.
+    """
     if verify not in VERIFY_MODES:
         raise ValueError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
-    with open(path, "rb", buffering=0) as f:
-        actual = os.fstat(f.fileno()).st_size
-        if size is not None and actual != size:
-            raise ChecksumMismatchError(
-                f"{path}: {actual} bytes on disk but the manifest records {size} "
-                f"({'truncated or partial write' if actual < size else 'file grew'})")
-        buf = torch.empty(actual, dtype=torch.uint8)
-        view = memoryview(buf.numpy()).cast("B")
-        digest = StreamDigest(sha256=verify == "sha256")
-        try:
-            for start in range(0, actual, CHUNK):
-                chunk = view[start:start + CHUNK]
-                if f.readinto(chunk) != len(chunk):
-                    raise ChecksumMismatchError(f"{path}: file shrank while being read")
-                if verify != "none":
-                    digest.update(chunk)
-        except BaseException:
-            digest.abort()
-            raise
-    got = digest.finish()
-    if verify != "none" and crc32c is not None and got.crc32c != crc32c:
+    actual = os.stat(path).st_size
+    if size is not None and actual != size:
+        raise ChecksumMismatchError(
+            f"{path}: {actual} bytes on disk but the manifest records {size} "
+            f"({'truncated or partial write' if actual < size else 'file grew'})")
+    buf = map_file(path, actual)
+    if verify == "none":
+        return buf
+    got = digest_buffer(buf, sha256=verify == "sha256")
+    if crc32c is not None and got.crc32c != crc32c:
         raise ChecksumMismatchError(f"{path}: crc32c {got.crc32c} does not match the manifest's {crc32c} (corrupt)")
     if verify == "sha256" and sha256 is not None and got.sha256 != sha256:
         raise ChecksumMismatchError(f"{path}: sha256 {got.sha256} does not match the manifest's {sha256} (corrupt)")
@@ -242,12 +236,18 @@ def _check_entry(name, entry, data_len, source):
 
 
 def _view(data: torch.Tensor, entry: dict) -> torch.Tensor:
+    """A zero-copy tensor over its bytes, with a storage of its own (offset 0).
+
+    Like torch.load(mmap=True), each tensor gets a slice of the mapping as its
+    own storage: some torch APIs (torch.set_rng_state among them) misread a
+    tensor that sits at an offset inside a larger storage.
+    """
     dtype = _DTYPES[entry["dtype"]]
     start, end = entry["data_offsets"]
     if start == end:
         return torch.empty(entry["shape"], dtype=dtype)
-    raw = data[start:end]
-    try:
-        return raw.view(dtype).view(entry["shape"])
-    except RuntimeError:  # misaligned (a foreign file): copy into an aligned buffer
-        return raw.clone().view(dtype).view(entry["shape"])
+    base = data.storage_offset()
+    storage = data.untyped_storage()[base + start:base + end]
+    if storage.data_ptr() % torch.empty((), dtype=dtype).element_size():
+        storage = storage.clone()  # misaligned (a foreign file): copy into an aligned buffer
+    return torch.empty(0, dtype=dtype).set_(storage, 0, entry["shape"])

@@ -1,0 +1,184 @@
+"""Local tier throughput against the disk's limit and the peers, in one run, interleaved.
+
+    python benchmarks/bench_local.py [--params 120000000] [--repeats 3] [--dir DIR]
+
+Save (durable, fsync included): tieredckpt save_sharded vs a raw sequential
+write + fsync of the same bytes (the disk's limit), torch.save + fsync,
+torch.distributed.checkpoint.save, safetensors save_file + fsync.
+Load into preallocated tensors (warm page cache): tieredckpt vs torch.load,
+torch.load(mmap=True), safetensors load_file. Verify: crc32c vs sha256.
+
+Before every timed run ~2.5x the state's size of fresh memory is touched
+(untimed), so the figures are the warm-memory case (see shared/benchmarking.md).
+Medians of --repeats interleaved runs; each repeat starts with a different method.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+from common import (fsync_path, fsync_tree, median, model_adamw_state, remove, state_bytes,  # noqa: E402
+                    table, tensors_of, timer, warm_memory)
+
+from tieredckpt.checksum import CHUNK, file_digest  # noqa: E402
+from tieredckpt.sharded import load_sharded, save_sharded, verify_checkpoint  # noqa: E402
+
+
+def raw_write(state, path):
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        for t in tensors_of(state):
+            view = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+            for i in range(0, len(view), CHUNK):
+                os.write(fd, view[i:i + CHUNK])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def flat_names(state):
+    out = {}
+    for k, v in state["model"].items():
+        out[f"model.{k}"] = v
+    for i, s in state["optim"]["state"].items():
+        for k, v in s.items():
+            out[f"optim.{i}.{k}"] = v
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--params", type=int, default=120_000_000)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--dir", default=None, help="directory on the disk to measure (default: a temp dir)")
+    args = p.parse_args()
+
+    state = model_adamw_state(args.params)
+    nbytes = state_bytes(state)
+    n_tensors = len(tensors_of(state))
+    print(f"state: {args.params / 1e6:.1f}M params -> {nbytes / 1e9:.3f} GB in {n_tensors} tensors; "
+          f"{args.repeats} interleaved repeats, warm memory, torch {torch.__version__}, {torch.get_num_threads()} threads")
+    root = tempfile.mkdtemp(prefix="bench-local-", dir=args.dir)
+    try:
+        savers = make_savers(state, root)
+        save_times = {name: [] for name in savers}
+        for rep in range(args.repeats):
+            for name, (save, target) in rotated(savers, rep):
+                remove(target)
+                warm_memory(int(2.5 * nbytes))
+                with timer(save_times[name]):
+                    save()
+        report_save(save_times, nbytes)
+
+        targets = {k: torch.empty_like(v) for k, v in flat_names(state).items()}
+        loaders = make_loaders(root, targets)
+        load_times = {name: [] for name in loaders}
+        for rep in range(args.repeats):
+            for name, load in rotated(loaders, rep):
+                warm_memory(int(2.5 * nbytes))
+                with timer(load_times[name]):
+                    load()
+        report_load(load_times, nbytes)
+
+        ckpt = os.path.join(root, "tieredckpt")
+        shard = os.path.join(ckpt, "rank0.bin")
+        verify_times = {"crc32c (fast verify)": [], "sha256 (full verify)": []}
+        for _ in range(args.repeats):
+            with timer(verify_times["crc32c (fast verify)"]):
+                verify_checkpoint(ckpt, full=False)
+            with timer(verify_times["sha256 (full verify)"]):
+                file_digest(shard, sha256=True)
+        crc, sha = median(verify_times["crc32c (fast verify)"]), median(verify_times["sha256 (full verify)"])
+        print(table([(k, f"{median(v):.3f}", f"{nbytes / median(v) / 1e9:.2f}") for k, v in verify_times.items()],
+                    ("verify (warm cache)", "seconds", "GB/s")))
+        print(f"  crc32c verify is {sha / crc:.1f}x faster than sha256 (target >= 4x)")
+    finally:
+        remove(root)
+
+
+def rotated(methods: dict, rep: int) -> list:
+    """Each repeat starts with a different method, so no method always runs first."""
+    items = list(methods.items())
+    k = rep % len(items)
+    return items[k:] + items[:k]
+
+
+def make_savers(state, root):
+    from safetensors.torch import save_file
+    import torch.distributed.checkpoint as dcp
+
+    names = flat_names(state)
+    paths = {k: os.path.join(root, k) for k in ("raw", "tieredckpt", "torch.save", "dcp", "safetensors")}
+
+    def torch_save():
+        torch.save(state, paths["torch.save"])
+        fsync_path(paths["torch.save"])
+
+    def dcp_save():
+        dcp.save(state, checkpoint_id=paths["dcp"], no_dist=True)
+        fsync_tree(paths["dcp"])
+
+    def st_save():
+        save_file(names, paths["safetensors"])
+        fsync_path(paths["safetensors"])
+
+    return {
+        "raw write + fsync (disk limit)": (lambda: raw_write(state, paths["raw"]), paths["raw"]),
+        "tieredckpt save_sharded": (lambda: save_sharded([state], paths["tieredckpt"], 1000), paths["tieredckpt"]),
+        "torch.save + fsync": (torch_save, paths["torch.save"]),
+        "dcp.save": (dcp_save, paths["dcp"]),
+        "safetensors save_file + fsync": (st_save, paths["safetensors"]),
+    }
+
+
+def make_loaders(root, targets):
+    from safetensors.torch import load_file
+
+    def copy_into(flat):
+        for k, t in targets.items():
+            t.copy_(flat[k])
+
+    def ours(verify):
+        (loaded,) = load_sharded(os.path.join(root, "tieredckpt"), 1, verify=verify)
+        copy_into(flat_names(loaded))
+
+    def tload(mmap):
+        loaded = torch.load(os.path.join(root, "torch.save"), weights_only=True, mmap=mmap)
+        copy_into(flat_names(loaded))
+
+    return {
+        "tieredckpt load (crc32c verified)": lambda: ours("crc"),
+        "tieredckpt load (sizes only)": lambda: ours("none"),
+        "torch.load": lambda: tload(False),
+        "torch.load(mmap=True)": lambda: tload(True),
+        "safetensors load_file": lambda: copy_into(load_file(os.path.join(root, "safetensors"))),
+    }
+
+
+def report_save(times, nbytes):
+    raw = median(times["raw write + fsync (disk limit)"])
+    rows = [(k, f"{median(v):.3f}", f"{nbytes / median(v) / 1e9:.2f}", f"{raw / median(v):.2f}x")
+            for k, v in times.items()]
+    print(table(rows, ("durable save", "seconds", "GB/s", "vs raw")))
+    ours = median(times["tieredckpt save_sharded"])
+    print(f"  tieredckpt save is {raw / ours:.2f}x the raw write's throughput (target >= 0.9x)\n")
+
+
+def report_load(times, nbytes):
+    st = median(times["safetensors load_file"])
+    rows = [(k, f"{median(v):.3f}", f"{nbytes / median(v) / 1e9:.2f}", f"{st / median(v):.2f}x")
+            for k, v in times.items()]
+    print(table(rows, ("load into preallocated (warm cache)", "seconds", "GB/s", "vs safetensors")))
+    ours = median(times["tieredckpt load (crc32c verified)"])
+    print(f"  tieredckpt load (verified) is {st / ours:.2f}x safetensors (target >= 1.0x)\n")
+
+
+if __name__ == "__main__":
+    main()

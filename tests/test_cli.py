@@ -1,0 +1,93 @@
+"""The tieredckpt command line on a real run directory, run as a user would (a subprocess)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import flip_byte, trained
+from tieredckpt import LocalTier
+from tieredckpt.flat import model_to_flat, read_flat, write_flat
+
+
+def cli(*args):
+    return subprocess.run([sys.executable, "-m", "tieredckpt.cli", *map(str, args)],
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture
+def run(run_dir):
+    model, opt = trained(steps=2)
+    tier = LocalTier(run_dir)
+    for step in (100, 200, 300):
+        tier.save(step, [{"model": model.state_dict(), "optim": opt.state_dict()}], wall_clock_seconds=step * 10)
+    return run_dir
+
+
+def test_ls_lists_steps_sizes_and_verification(run):
+    out = cli("ls", run)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].split() == ["STEP", "AGE", "SIZE", "FILES", "STATUS"]
+    assert [line.split()[0] for line in lines[1:]] == ["100", "200", "300"]
+    assert "ok (crc32c)" in lines[1] and "<- latest" in lines[3]
+    flip_byte(run / "step_000200" / "rank0.bin", 200)
+    out = cli("ls", run)
+    assert out.returncode == 1
+    assert "BAD" in out.stdout and "rank0.bin" in out.stdout
+
+
+def test_verify_exit_status_reflects_problems(run):
+    out = cli("verify", run, "--full")
+    assert out.returncode == 0 and out.stdout.count(": ok") == 3 and "sha256" in out.stdout
+    os.truncate(run / "step_000300" / "rank0.bin", 100)
+    out = cli("verify", run)
+    assert out.returncode == 1
+    assert "step 300: FAILED" in out.stdout and "truncated" in out.stdout
+    assert cli("verify", run, "--step", 100).returncode == 0
+
+
+def test_inspect_shows_manifest_and_tensor_index(run):
+    out = cli("inspect", run, "--step", 200)
+    assert out.returncode == 0, out.stderr
+    assert "step 200, world_size 1" in out.stdout and "wall_clock_seconds 2000" in out.stdout
+    assert "model/fc.weight" in out.stdout and "F32" in out.stdout
+    raw = json.loads(cli("inspect", run, "--json").stdout)
+    assert raw["step"] == 300 and raw["schema_version"] == 1
+
+
+def test_convert_flat_to_checkpoint_and_back(tmp_path):
+    flat = model_to_flat(*trained(steps=1))
+    src = tmp_path / "step_000001.bin"
+    write_flat(src, 1, flat.weights, flat.m, flat.v)
+    out = cli("convert", src, tmp_path / "run")
+    assert out.returncode == 0, out.stderr
+    assert "step_000001" in out.stdout
+    out = cli("convert", tmp_path / "run", tmp_path / "back.bin")
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "back.bin").read_bytes() == src.read_bytes()
+    assert read_flat(tmp_path / "back.bin").step == 1
+
+
+@pytest.mark.parametrize("args, message", [
+    (["ls", "/nonexistent/run"], "/nonexistent/run: no such run directory"),
+    (["inspect", "{run}", "--step", "7"], "no committed checkpoint for step 7"),
+    (["convert", "/nonexistent.bin", "x"], "/nonexistent.bin: no such file"),
+])
+def test_user_errors_are_one_clear_line_without_traceback(run, args, message):
+    out = cli(*[a.format(run=run) for a in args])
+    assert out.returncode == 1
+    assert message in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_bad_flat_file_is_a_clear_error(tmp_path):
+    (tmp_path / "step_000001.bin").write_bytes(b"\x01\x00\x00\x00\x05\x00\x00\x00" + b"\x00" * 10)
+    out = cli("convert", tmp_path / "step_000001.bin", tmp_path / "run")
+    assert out.returncode == 1 and "needs exactly 68" in out.stderr and "Traceback" not in out.stderr
+    assert not (tmp_path / "run" / "step_000001").exists()
