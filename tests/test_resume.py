@@ -1,0 +1,105 @@
+"""Bitwise resume of the real demo, as subprocesses stopped with real signals."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT
+from tieredckpt import LocalTier, RunLog
+from tieredckpt.compare import first_difference
+
+DEMO = ROOT / "examples" / "train_tiny_lm.py"
+STEPS, EVERY = 120, 25
+
+
+def start(run_dir: Path, steps: int = STEPS) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(DEMO), "--run-dir", str(run_dir), "--steps", str(steps),
+                             "--every", str(EVERY)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish(proc: subprocess.Popen) -> str:
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{out}\n{err}"
+    return out
+
+
+def logged_steps(run_dir: Path) -> int:
+    try:
+        return sum(1 for _ in open(run_dir / ".loss.json"))
+    except FileNotFoundError:
+        return 0
+
+
+def wait_for_step(proc: subprocess.Popen, run_dir: Path, step: int) -> None:
+    deadline = time.monotonic() + 120
+    while logged_steps(run_dir) < step:
+        assert proc.poll() is None, f"demo ended early: {proc.communicate()}"
+        assert time.monotonic() < deadline, "demo made no progress"
+        time.sleep(0.01)
+
+
+def final(run_dir: Path) -> dict:
+    (state,) = LocalTier(run_dir).load(STEPS, verify="sha256")
+    return {k: state[k] for k in ("model", "optim", "step", "rng", "data_order")}
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory) -> dict:
+    run_dir = tmp_path_factory.mktemp("straight")
+    finish(start(run_dir))
+    return final(run_dir)
+
+
+def test_sigterm_saves_the_current_step_exits_0_and_resume_is_bit_identical(tmp_path, straight):
+    proc = start(tmp_path)
+    wait_for_step(proc, tmp_path, 37)
+    proc.send_signal(signal.SIGTERM)
+    out = finish(proc)  # exit status 0
+    stopped_at = LocalTier(tmp_path).latest_step()
+    assert f"checkpoint for step {stopped_at} committed" in out
+    assert 37 <= stopped_at < STEPS
+    out = finish(start(tmp_path))
+    assert f"resumed from" in out and f"(step {stopped_at})" in out
+    assert first_difference(straight, final(tmp_path)) is None
+    assert RunLog(tmp_path).read_loss().replayed() == []  # nothing was lost, nothing redone
+
+
+def test_sigkill_resumes_from_last_cadence_checkpoint_and_is_still_bit_identical(tmp_path, straight):
+    proc = start(tmp_path)
+    wait_for_step(proc, tmp_path, 2 * EVERY + 8)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    resumed_from = LocalTier(tmp_path).latest_step()
+    assert resumed_from % EVERY == 0 and resumed_from >= 2 * EVERY
+    finish(start(tmp_path))
+    assert first_difference(straight, final(tmp_path)) is None
+    history = RunLog(tmp_path).read_loss()
+    assert history.events("resume")[0]["step"] == resumed_from
+    assert history.replayed() and all(e["step"] > resumed_from for e in history.replayed())
+    assert sorted(history.by_step()) == list(range(1, STEPS + 1))
+    # The redone steps computed the same losses as the lost ones.
+    lost = {e["step"]: e["loss"] for e in history.replayed()}
+    assert all(history.by_step()[s] == loss for s, loss in lost.items())
+
+
+def test_sigusr1_saves_the_current_step_and_training_goes_on(tmp_path):
+    proc = start(tmp_path, steps=400)
+    wait_for_step(proc, tmp_path, 30)
+    proc.send_signal(signal.SIGUSR1)
+    wait_for_step(proc, tmp_path, 60)
+    extra = [s for s in LocalTier(tmp_path).steps() if s % EVERY]
+    assert len(extra) == 1 and 30 <= extra[0] < 60  # a checkpoint off the cadence
+    assert proc.poll() is None  # still training
+    proc.send_signal(signal.SIGTERM)
+    finish(proc)
+    assert LocalTier(tmp_path).latest_step() >= 60
+    samples = json.loads((tmp_path / ".samples.json").read_text())
+    assert [s["step"] for s in samples] == [25, 50] and all(len(s["text"]) == 81 for s in samples)
