@@ -91,3 +91,23 @@ def test_bad_flat_file_is_a_clear_error(tmp_path):
     out = cli("convert", tmp_path / "step_000001.bin", tmp_path / "run")
     assert out.returncode == 1 and "needs exactly 68" in out.stderr and "Traceback" not in out.stderr
     assert not (tmp_path / "run" / "step_000001").exists()
+
+
+def test_plot_writes_a_png_of_the_loss_history(tmp_path):
+    from tieredckpt import CheckpointStore
+    run_dir = tmp_path / "run"
+    with CheckpointStore(run_dir, every=50) as store:
+        for step in range(1, 201):
+            store.log_loss(step, 3.0 / step ** 0.3)
+            store.step_end(step, {"step": step})
+            if step == 120:
+                store.pivot(step, note="new data mix")
+        store.run.mark_resume(150)
+    out = cli("plot", run_dir, "-o", tmp_path / "loss.png")
+    assert out.returncode == 0, out.stderr
+    png = (tmp_path / "loss.png").read_bytes()
+    assert png.startswith(b"\x89PNG") and len(png) > 10_000
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    out = cli("plot", empty)
+    assert out.returncode == 1 and "no loss entries" in out.stderr

@@ -4,6 +4,7 @@
     tieredckpt verify RUN_DIR [--step N] [--full]
     tieredckpt inspect RUN_DIR [--step N] [--json]
     tieredckpt convert SRC DST [--step N]     flat .bin <-> checkpoint
+    tieredckpt plot RUN_DIR [-o PNG]          loss history with checkpoints and pivots
 
 User errors print one line naming the file and the reason (exit 1); no tracebacks.
 """
@@ -58,6 +59,11 @@ def _parser() -> argparse.ArgumentParser:
     convert.add_argument("dst", help="a run directory, or the .bin file to write")
     convert.add_argument("--step", type=int, help="with a run directory as SRC: which step (default newest)")
     convert.set_defaults(func=cmd_convert)
+
+    plot = sub.add_parser("plot", help="write a PNG of the loss history with checkpoints and pivots marked")
+    plot.add_argument("run_dir")
+    plot.add_argument("-o", "--out", help="output file (default RUN_DIR/loss.png)")
+    plot.set_defaults(func=cmd_plot)
     return p
 
 
@@ -143,6 +149,12 @@ def cmd_convert(args) -> int:
     else:
         print(f"tieredckpt: error: {src}: no such file or run directory", file=sys.stderr)
         return 1
+    return 0
+
+
+def cmd_plot(args) -> int:
+    from .plot import plot_run
+    print(f"wrote {plot_run(args.run_dir, args.out)}")
     return 0
 
 

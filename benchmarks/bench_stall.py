@@ -1,0 +1,142 @@
+"""How long save() blocks the training loop, against the floor and the peers, in one run.
+
+    python benchmarks/bench_stall.py [--params 120000000] [--repeats 3]
+
+Blocking time of: a copy of the same tensors into already-allocated buffers
+(the floor), CheckpointStore.save() (steady state: staging buffers reused; the
+first save, which allocates them, is shown apart), torch.save + fsync (blocks
+for the whole durable write), and torch.distributed.checkpoint.async_save
+(single-rank gloo group). Also the total time until each write is durable,
+and the peak extra memory (VmHWM above the RSS before the save).
+
+Before every timed run ~2.5x the state's size of fresh memory is touched
+(untimed): the warm-memory case (see shared/benchmarking.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+from common import fsync_path, fsync_tree, median, model_adamw_state, remove, state_bytes, table, tensors_of, warm_memory  # noqa: E402
+
+from tieredckpt import CheckpointStore  # noqa: E402
+
+
+def rss_now() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current RSS
+
+
+def peak() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def measure(fn, nbytes):
+    """(blocking seconds, seconds until durable, peak extra bytes) of one call."""
+    warm_memory(int(2.5 * nbytes))
+    before = rss_now()
+    reset_peak()
+    start = time.perf_counter()
+    finish = fn()
+    blocked = time.perf_counter() - start
+    if finish is not None:
+        finish()
+    total = time.perf_counter() - start
+    return blocked, total, max(0, peak() - before)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--params", type=int, default=120_000_000)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--dir", default=None)
+    args = p.parse_args()
+    state = model_adamw_state(args.params)
+    nbytes = state_bytes(state)
+    print(f"state: {args.params / 1e6:.1f}M params -> {nbytes / 1e9:.3f} GB in {len(tensors_of(state))} tensors; "
+          f"{args.repeats} interleaved repeats, warm memory, torch {torch.__version__}")
+    root = tempfile.mkdtemp(prefix="bench-stall-", dir=args.dir)
+    tensors = tensors_of(state)
+    buffers = [torch.empty_like(t) for t in tensors]
+    store = CheckpointStore(os.path.join(root, "store"), keep_local=1, every=0)
+    dcp_dir = os.path.join(root, "dcp")
+    _init_single_rank_group()
+    step = [0]
+
+    def floor():
+        for b, t in zip(buffers, tensors):
+            b.copy_(t)
+
+    def ours():
+        step[0] += 1
+        return store.save(step[0], state).wait
+
+    def torch_save():
+        path = os.path.join(root, "torch.pt")
+        torch.save(state, path)
+        fsync_path(path)
+        remove(path)
+
+    def dcp_async():
+        import torch.distributed.checkpoint as dcp
+        remove(dcp_dir)
+        future = dcp.async_save(state, checkpoint_id=dcp_dir)
+        return lambda: (future.result(), fsync_tree(dcp_dir))
+
+    floor()  # the floor's buffers are ours already: touch them once, untimed
+    first = measure(ours, nbytes)  # allocates the staging buffers
+    methods = {"copy into preallocated buffers (floor)": floor, "CheckpointStore.save": ours,
+               "torch.save + fsync": torch_save, "dcp.async_save": dcp_async}
+    results = {name: [] for name in methods}
+    for rep in range(args.repeats):
+        items = list(methods.items())
+        for name, fn in items[rep % len(items):] + items[:rep % len(items)]:
+            results[name].append(measure(fn, nbytes))
+    store.close()
+    remove(root)
+
+    floor_s = median([r[0] for r in results["copy into preallocated buffers (floor)"]])
+    rows = [("CheckpointStore.save, first (allocates buffers)", f"{first[0]:.3f}", f"{first[0] / floor_s:.2f}x",
+             f"{first[1]:.2f}", f"{first[2] / nbytes:.2f}")]
+    for name, rs in results.items():
+        blocked = median([r[0] for r in rs])
+        rows.append((name, f"{blocked:.3f}", f"{blocked / floor_s:.2f}x", f"{median([r[1] for r in rs]):.2f}",
+                     f"{median([r[2] for r in rs]) / nbytes:.2f}"))
+    print(table(rows, ("method", "blocks (s)", "vs floor", "durable after (s)", "peak extra / state")))
+    ours_s = median([r[0] for r in results["CheckpointStore.save"]])
+    ours_mem = median([r[2] for r in results["CheckpointStore.save"]]) / nbytes
+    print(f"  steady-state stall is {ours_s / floor_s:.2f}x the preallocated copy (target <= 1.2x); "
+          f"peak extra memory {ours_mem:.2f}x the state beyond the staging buffers it keeps "
+          f"(the buffers themselves are one copy: {nbytes / 1e9:.2f} GB, target <= 1 extra copy)")
+
+
+def _init_single_rank_group() -> None:
+    import torch.distributed as dist
+    if dist.is_initialized():
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+
+
+if __name__ == "__main__":
+    main()
