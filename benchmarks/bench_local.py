@@ -28,6 +28,7 @@ from common import (fsync_path, fsync_tree, median, model_adamw_state, remove, s
                     table, tensors_of, timer, warm_memory)
 
 from tieredckpt.checksum import CHUNK, file_digest  # noqa: E402
+from tieredckpt.memview import byte_view  # noqa: E402
 from tieredckpt.sharded import load_sharded, save_sharded, verify_checkpoint  # noqa: E402
 
 
@@ -35,7 +36,7 @@ def raw_write(state, path):
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         for t in tensors_of(state):
-            view = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+            view = byte_view(t.reshape(-1))
             for i in range(0, len(view), CHUNK):
                 os.write(fd, view[i:i + CHUNK])
         os.fsync(fd)

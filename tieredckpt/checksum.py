@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import crc32c as _crc32c
 import torch
 
+from .memview import byte_view
+
 CHUNK = 16 << 20  # large sequential I/O: 16 MiB
 
 
@@ -95,7 +97,7 @@ def map_file(path: str | os.PathLike, size: int) -> torch.Tensor:
 def digest_buffer(buf: torch.Tensor, sha256: bool) -> Digest:
     """Digest of a uint8 tensor's bytes, in chunks (sha256 on its own thread)."""
     digest = StreamDigest(sha256=sha256)
-    view = memoryview(buf.numpy()) if buf.numel() else memoryview(b"")
+    view = byte_view(buf)
     for start in range(0, len(view), CHUNK):
         digest.update(view[start:start + CHUNK])
     return digest.finish()

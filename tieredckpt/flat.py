@@ -24,6 +24,7 @@ import torch
 from . import layout
 from .atomic import fsync_dir, write_all
 from .errors import CheckpointNotFoundError, FlatFormatError, UnsupportedStateError
+from .memview import byte_view
 
 _HEADER = struct.Struct("<ii")
 _INT32_MAX = 2**31 - 1
@@ -61,7 +62,7 @@ def write_flat(path: str | os.PathLike, step: int, weights, m, v) -> None:
         write_all(fd, _HEADER.pack(step, n))
         for a in arrays:
             if n:
-                write_all(fd, a.view(torch.uint8).numpy())
+                write_all(fd, byte_view(a))
         os.fsync(fd)
         os.close(fd)
         fd = -1
@@ -94,7 +95,7 @@ def read_flat(path: str | os.PathLike) -> FlatCheckpoint:
                 f"{path}: {size} bytes, but n_params {n} needs exactly {flat_size(n)} (8 + 12 x n)"
                 + ("; truncated?" if size < flat_size(n) else ""))
         data = torch.empty(3 * n, dtype=torch.float32)
-        if n and f.readinto(data.view(torch.uint8).numpy()) != 12 * n:
+        if n and f.readinto(byte_view(data)) != 12 * n:
             raise FlatFormatError(f"{path}: file shrank while being read")
     return FlatCheckpoint(step, data[:n], data[n:2 * n], data[2 * n:])
 

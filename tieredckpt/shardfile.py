@@ -28,6 +28,7 @@ from . import tree
 from .atomic import write_all
 from .checksum import CHUNK, Digest, StreamDigest, digest_buffer, map_file
 from .errors import ChecksumMismatchError, CorruptCheckpointError, UnsupportedStateError
+from .memview import byte_view
 
 FORMAT_KEY = "tieredckpt"
 FORMAT_VERSION = 1
@@ -93,7 +94,7 @@ def _as_bytes(t: torch.Tensor, name: str) -> memoryview:
     t = t.resolve_conj().resolve_neg().contiguous().reshape(-1)
     if t.numel() == 0:
         return memoryview(b"")
-    return memoryview(t.view(torch.uint8).numpy()).cast("B")
+    return byte_view(t)
 
 
 def _encode_header(skeleton, tensors, names, order) -> bytes:
@@ -160,8 +161,8 @@ def read_header(path: str | os.PathLike) -> dict:
 def decode(buf: torch.Tensor, source: str) -> Any:
     """Turn a verified file buffer into state. ``source`` names the file in errors."""
     size = buf.numel()
-    n = _header_length(bytes(buf[:8].numpy()) if size >= 8 else b"", size, source)
-    header = _parse_header(bytes(buf[8:8 + n].numpy()), size - 8 - n, source)
+    n = _header_length(bytes(byte_view(buf[:8])) if size >= 8 else b"", size, source)
+    header = _parse_header(bytes(byte_view(buf[8:8 + n])), size - 8 - n, source)
     data = buf[8 + n:]
     meta = header.pop("__metadata__", {})
     by_name = {name: _view(data, entry) for name, entry in header.items()}
