@@ -20,10 +20,13 @@ import os
 import random
 import sys
 import time
+import warnings
 from pathlib import Path
 
-import torch
-from torch import nn
+# torch warns on import when NumPy is absent; nothing here needs NumPy.
+warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tieredckpt import CheckpointStore, capture_rng, restore_rng  # noqa: E402
