@@ -1,18 +1,24 @@
 """The ``tieredckpt`` command line, built on the same modules as the library.
 
-    tieredckpt ls RUN_DIR [--no-verify]
+    tieredckpt ls RUN_DIR [--no-verify] [--remote URL]
+    tieredckpt restore REMOTE_URL --to LOCAL_DIR [--step N]
+    tieredckpt push RUN_DIR [--remote URL] [--compression C]
     tieredckpt verify RUN_DIR [--step N] [--full]
     tieredckpt inspect RUN_DIR [--step N] [--json]
     tieredckpt convert SRC DST [--step N]     flat .bin <-> checkpoint
     tieredckpt plot RUN_DIR [-o PNG]          loss history with checkpoints and pivots
 
 User errors print one line naming the file and the reason (exit 1); no tracebacks.
+Remote credentials come from the environment (AWS_ACCESS_KEY_ID, ...) or
+``--remote-option key=value``; they are never printed.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -37,10 +43,24 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tieredckpt", description="Inspect and manage tieredckpt runs.")
     sub = p.add_subparsers(dest="command", required=True)
 
-    ls = sub.add_parser("ls", help="list a run's checkpoints")
+    ls = sub.add_parser("ls", help="list a run's checkpoints, where each lives, and how far uploads lag")
     ls.add_argument("run_dir")
     ls.add_argument("--no-verify", action="store_true", help="skip the crc32c check of every shard")
+    _remote_args(ls, "the run's remote (default: the one its store last used)")
     ls.set_defaults(func=cmd_ls)
+
+    restore = sub.add_parser("restore", help="bring a run back from its remote onto this machine")
+    restore.add_argument("remote_url")
+    restore.add_argument("--to", required=True, dest="to", help="local run directory")
+    restore.add_argument("--step", type=int, help="default: the newest uploaded step")
+    _remote_args(restore, None)
+    restore.set_defaults(func=cmd_restore)
+
+    push = sub.add_parser("push", help="upload every local checkpoint the remote does not hold yet")
+    push.add_argument("run_dir")
+    push.add_argument("--compression", default="zstd-planes", choices=["zstd-planes", "zstd", "raw"])
+    _remote_args(push, "the remote (default: the one the run's store last used)")
+    push.set_defaults(func=cmd_push)
 
     verify = sub.add_parser("verify", help="check checkpoints' sizes and checksums (exit 1 on any problem)")
     verify.add_argument("run_dir")
@@ -67,29 +87,157 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _remote_args(parser, url_help: str | None) -> None:
+    if url_help:
+        parser.add_argument("--remote", help=url_help)
+    parser.add_argument("--endpoint-url", help="S3-compatible endpoint (MinIO, moto, ...)")
+    parser.add_argument("--remote-option", action="append", default=[], metavar="KEY=VALUE",
+                        help="an fsspec/s3fs option; repeatable")
+
+
+def _remote(url: str, args):
+    from .remote import RemoteTier
+    options = {}
+    for item in args.remote_option:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--remote-option {item!r}: expected KEY=VALUE")
+        options[key] = value
+    if args.endpoint_url and url.startswith("s3://"):
+        options["endpoint_url"] = args.endpoint_url
+    return RemoteTier(url, options)
+
+
+def _run_remote(tier: LocalTier, args):
+    """The remote named on the command line, or the one the run's store recorded."""
+    from .uploader import STATUS_FILE
+    url = getattr(args, "remote", None)
+    status = {}
+    try:
+        status = json.loads((tier.root / STATUS_FILE).read_text())
+    except (FileNotFoundError, ValueError):
+        pass
+    url = url or status.get("remote")
+    if url and "***@" in url:
+        raise ValueError(f"{tier.root}: the recorded remote {url} needs its credentials; pass --remote")
+    return (_remote(url, args) if url else None), status.get("steps", {})
+
+
 def cmd_ls(args) -> int:
     tier = LocalTier(args.run_dir, create=False)
-    steps = tier.steps()
-    if not steps:
-        print(f"{tier.root}: no committed checkpoints")
-        return 0
-    pointer = tier.latest_pointer()
-    print(f"{'STEP':>10}  {'AGE':>9}  {'SIZE':>10}  {'FILES':>5}  STATUS")
+    remote, upload_status = _run_remote(tier, args)
+    local_steps = tier.steps()
     problems = 0
-    for step in steps:
+    remote_steps: list[int] = []
+    if remote is not None:
         try:
-            manifest = tier.verify(step) if not args.no_verify else tier.manifest(step)
-            status = "unchecked" if args.no_verify else "ok (crc32c)"
+            remote_steps = remote.steps()
+        except TieredCkptError as exc:
+            print(f"remote {remote.display_url}: cannot list it: {exc}", file=sys.stderr)
+            problems += 1
+    steps = sorted(set(local_steps) | set(remote_steps))
+    if not steps:
+        print(f"{tier.root}: no committed checkpoints" + (f" (nor in {remote.display_url})" if remote else ""))
+        return problems and 1
+    pointer = tier.latest_pointer()
+    print(f"{'STEP':>10}  {'AGE':>9}  {'SIZE':>10}  {'FILES':>5}  {'WHERE':<12}  STATUS")
+    for step in steps:
+        where = "+".join(name for name, has in (("local", step in local_steps), ("remote", step in remote_steps)) if has)
+        try:
+            if step in local_steps:
+                manifest = tier.verify(step) if not args.no_verify else tier.manifest(step)
+                status = "unchecked" if args.no_verify else "ok (crc32c)"
+            else:
+                manifest = remote.upload_manifest(step).shard_manifest
+                status = "remote only"
             age, size, files = _age(manifest.created_unix), _size(manifest.total_size), len(manifest.shards)
         except TieredCkptError as exc:
             problems += 1
             status, age, size, files = f"BAD: {exc}", "?", "?", "?"
+        if remote is not None and step in local_steps and step not in remote_steps:
+            entry = upload_status.get(str(step), {"state": "pending"})
+            status += f"; upload {entry['state']}" + (f": {entry['error']}" if entry.get("error") else "")
+            problems += entry["state"] == "failed"
         mark = " <- latest" if step == pointer else ""
-        print(f"{step:>10}  {age:>9}  {size:>10}  {files:>5}  {status}{mark}")
+        print(f"{step:>10}  {age:>9}  {size:>10}  {files:>5}  {where:<12}  {status}{mark}")
+    if remote is not None:
+        behind = [s for s in local_steps if s not in remote_steps and s > max(remote_steps, default=-1)]
+        newest_remote = max(remote_steps, default=None)
+        lag = (f"{len(behind)} checkpoint(s) not uploaded yet; the remote's newest is step {newest_remote}, "
+               f"{max(local_steps) - (newest_remote or 0)} steps behind") if behind else "the remote is up to date"
+        print(f"remote {remote.display_url}: {lag}")
     stale = [e.name for e in tier.root.iterdir() if layout.scratch_owner_pid(e.name) is not None]
     if stale:
         print(f"({len(stale)} leftover temp entries from an interrupted save; removed at the next save)")
     return 1 if problems else 0
+
+
+def cmd_restore(args) -> int:
+    remote = _remote(args.remote_url, args)
+    steps = remote.steps()
+    if not steps:
+        print(f"tieredckpt: error: {remote.display_url}: no uploaded checkpoints", file=sys.stderr)
+        return 1
+    step = args.step if args.step is not None else steps[-1]
+    if step not in steps:
+        print(f"tieredckpt: error: {remote.display_url}: no uploaded checkpoint for step {step} "
+              f"(have: {steps[-5:]})", file=sys.stderr)
+        return 1
+    tier = LocalTier(args.to)
+    if step in tier.steps():
+        print(f"{tier.step_path(step)} is already here; verifying it")
+        tier.verify(step)
+    else:
+        upload = remote.upload_manifest(step)
+        bar = _TransferBar(upload.shard_manifest.total_size, f"download step {step}")
+        remote.download(step, tier.step_path(step), progress=bar.add)
+        bar.close()
+        tier.update_latest()
+    fetched = remote.get_side_files(tier.root)
+    print(f"restored step {step} from {remote.display_url} into {tier.step_path(step)}"
+          + (f"; side files: {', '.join(fetched)}" if fetched else ""))
+    return 0
+
+
+def cmd_push(args) -> int:
+    from .uploader import Uploader
+    tier = LocalTier(args.run_dir, create=False)
+    remote, _ = _run_remote(tier, args)
+    if remote is None:
+        raise ValueError(f"{tier.root}: no remote recorded for this run; pass --remote URL")
+    pending = sorted(set(tier.steps()) - set(remote.steps()))
+    if not pending:
+        print(f"{remote.display_url}: already holds every local checkpoint")
+        return 0
+    total = sum(tier.manifest(s).total_size for s in pending)
+    bar = _TransferBar(total, f"upload {len(pending)} checkpoint(s)")
+    uploader = Uploader(tier, remote, codec=args.compression, max_pending=None, progress=bar.add)
+    try:
+        uploader.drain(None)
+        bar.close()
+        uploader.raise_error()
+    finally:
+        uploader.close()
+    print(f"uploaded steps {pending} to {remote.display_url}")
+    return 0
+
+
+class _TransferBar:
+    """A thread-safe byte counter driving a Progress line."""
+
+    def __init__(self, total: int, label: str) -> None:
+        from .progress import Progress
+        self._bar = Progress(total, label, unit="B")
+        self._done = 0
+        self._lock = threading.Lock()
+
+    def add(self, nbytes: int) -> None:
+        with self._lock:
+            self._done += nbytes
+            self._bar.update(self._done)
+
+    def close(self) -> None:
+        self._bar.close()
 
 
 def cmd_verify(args) -> int:

@@ -24,7 +24,11 @@ class Progress:
     def update(self, value: int, note: str = "") -> None:
         fraction = min(1.0, value / self.total)
         rate = (value - self.start_value) / max(1e-9, time.monotonic() - self.start_time)
-        text = f"{self.label} {value}/{self.total}{self.unit} {fraction:4.0%} {rate:,.1f}{self.unit}/s {note}"
+        if self.unit == "B":  # byte counts read better in MB
+            text = (f"{self.label} {value / 1e6:,.1f}/{self.total / 1e6:,.1f} MB {fraction:4.0%} "
+                    f"{rate / 1e6:,.1f} MB/s {note}")
+        else:
+            text = f"{self.label} {value}/{self.total}{self.unit} {fraction:4.0%} {rate:,.1f}{self.unit}/s {note}"
         if self.tty:
             width = 24
             filled = int(width * fraction)

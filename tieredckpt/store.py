@@ -14,11 +14,20 @@ single background writer encodes, checksums and commits it with the local
 tier's atomic protocol, fsyncs the loss history first, then rotates. The next
 save waits for the previous write (at most one staged copy exists). A failed
 background write is raised, once, at the next ``save``, ``wait`` or ``close``.
+
+With a remote, each committed step is queued for the uploader; local rotation
+never evicts a step whose upload manifest does not exist yet, and ``save``
+waits while more than ``max_pending_uploads`` steps await upload (the explicit
+back-pressure rule). A restore prefers the local copy when it verifies and
+otherwise downloads the remote one (also onto a machine with nothing local).
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
+import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import AbstractContextManager
@@ -28,20 +37,31 @@ from typing import Any, Callable
 
 import torch
 
-from .errors import BackgroundSaveError, CheckpointExistsError, IncompatibleStateError
+from .atomic import remove_dir
+from .codec import CODECS
+from .errors import (BackgroundSaveError, CheckpointExistsError, CheckpointNotFoundError,
+                     CorruptCheckpointError, IncompatibleStateError)
 from .local import LocalTier
 from .manifest import ShardManifest
-from .runlog import RunLog, fork_run
+from .remote import PART_SIZE, RemoteTier
+from .retention import Policy
+from .runlog import SIDE_FILES, RunLog, fork_run
 from .signals import Requests, handle_signals
 from .staging import Stager
+from .uploader import Uploader
+
+log = logging.getLogger("tieredckpt")
 
 @dataclass(frozen=True)
 class CheckpointInfo:
     step: int
-    path: Path
+    path: Path | None  # the local directory, or None when only the remote holds it
     size: int
     created_unix: float
     world_size: int
+    local: bool = True
+    remote: bool = False
+    upload: str | None = None  # pending / uploading / retrying / failed / None
 
 
 class SaveHandle:
@@ -66,9 +86,18 @@ class SaveHandle:
 
 class CheckpointStore(AbstractContextManager):
     def __init__(self, local: str | os.PathLike, remote: str | None = None, *, keep_local: int = 3,
-                 every: int = 100, verify: str = "crc") -> None:
-        if remote is not None:
-            raise ValueError("remote tiers are not supported by this version of tieredckpt yet; pass remote=None")
+                 every: int = 100, verify: str = "crc", remote_options: dict | None = None,
+                 keep_remote: Policy | None = None, compression: str | None = "zstd-planes",
+                 compression_level: int = 1, max_pending_uploads: int | None = 2,
+                 upload_retry_timeout: float | None = 900.0, upload_backoff: tuple[float, float] = (0.5, 30.0),
+                 upload_part_size: int = PART_SIZE, close_timeout: float | None = 600.0,
+                 remote_fs=None) -> None:
+        """``local``: the run directory. ``remote``: any fsspec URL (s3://bucket/prefix,
+        file:///mnt/nas/run, memory://...), with ``remote_options`` passed to fsspec/s3fs.
+        ``compression``: "zstd-planes" (float-aware, default), "zstd" or None for uploads."""
+        codec = compression or "raw"
+        if codec not in CODECS:
+            raise ValueError(f"compression must be one of {CODECS[1:]} or None, got {compression!r}")
         if type(keep_local) is not int or keep_local < 1:
             raise ValueError(f"keep_local must be an int >= 1, got {keep_local!r}")
         if type(every) is not int or every < 0:
@@ -83,6 +112,15 @@ class CheckpointStore(AbstractContextManager):
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tieredckpt-writer")
         self._pending: SaveHandle | None = None
         self._closed = False
+        self._rotate_lock = threading.Lock()
+        self.close_timeout = close_timeout
+        self.remote = RemoteTier(remote, remote_options, fs=remote_fs, part_size=upload_part_size) if remote else None
+        self.uploader = None
+        if self.remote is not None:
+            self.uploader = Uploader(self.local, self.remote, codec=codec, level=compression_level,
+                                     max_pending=max_pending_uploads, retry_timeout=upload_retry_timeout,
+                                     backoff=upload_backoff,
+                                     keep_remote=keep_remote, on_uploaded=lambda step: self._rotate())
 
     # ---- saving -----------------------------------------------------------------------
 
@@ -90,6 +128,8 @@ class CheckpointStore(AbstractContextManager):
         """Snapshot ``state`` and write it in the background; returns at once after the copy."""
         self._check_open()
         self._finish_pending()  # back-pressure, and the previous failure surfaces here
+        if self.uploader is not None:
+            self.uploader.wait_for_room()  # raises a failed upload, once
         if (self.local.step_path(step) / "manifest.json").exists():
             raise CheckpointExistsError(f"{self.local.step_path(step)}: step {step} is already committed")
         self.requests.clear_save()  # a signal from now on asks for another save
@@ -103,8 +143,18 @@ class CheckpointStore(AbstractContextManager):
         # checkpoint committed atomically -> latest moved -> old steps rotated out.
         self.run.sync()
         manifest = self.local.save(step, [staged], user=user)
-        self.local.rotate(self.keep_local)
+        if self.uploader is not None:
+            self.uploader.enqueue(step)
+        self._rotate()
         return manifest
+
+    def _rotate(self) -> None:
+        """Keep the last ``keep_local`` steps, never evicting one the remote does not hold yet."""
+        with self._rotate_lock:
+            protected = set()
+            if self.uploader is not None:
+                protected = set(self.local.steps()) - set(self.uploader.uploaded)
+            self.local.rotate(self.keep_local, protected=protected)
 
     def should_save(self, step: int) -> bool:
         """Cadence (``step % every == 0``) or a pending SIGUSR1/SIGTERM request."""
@@ -133,9 +183,14 @@ class CheckpointStore(AbstractContextManager):
 
     # ---- waiting --------------------------------------------------------------------
 
-    def wait(self) -> None:
-        """Block until the pending write is committed; raise its failure if it failed."""
+    def wait(self, uploads: bool = False, timeout: float | None = None) -> None:
+        """Block until the pending write is committed (and, with ``uploads``, until every
+        committed step is uploaded, or ``timeout`` passes); raise a failure if one occurred."""
         self._finish_pending()
+        if self.uploader is not None:
+            if uploads:
+                self.uploader.drain(timeout)
+            self.uploader.raise_error()
 
     def _finish_pending(self) -> None:
         pending, self._pending = self._pending, None
@@ -148,8 +203,17 @@ class CheckpointStore(AbstractContextManager):
             return
         try:
             self._finish_pending()
+            if self.uploader is not None:
+                # SIGTERM: leave pending uploads to the next start; else drain them.
+                drain = 0.0 if self.should_stop() else self.close_timeout
+                if drain != 0 and not self.uploader.drain(drain):
+                    log.warning("closing with uploads still pending (%s); the next start resumes them",
+                                self.uploader.pending())
+                self.uploader.raise_error()
         finally:
             self._closed = True
+            if self.uploader is not None:
+                self.uploader.close(drain_timeout=0)
             self._writer.shutdown(wait=True)
             self.run.close()
 
@@ -180,24 +244,61 @@ class CheckpointStore(AbstractContextManager):
         """
         self._check_open()
         self._finish_pending()
-        resolved = step if step is not None else self.local.latest_step()
-        if resolved is None:
-            return None
-        (state,) = self.local.load(resolved, world_size=1, verify=self.verify)
+        local_steps = self.local.steps()
+        remote_steps = self.remote.steps() if self.remote is not None else []
+        if step is None:
+            candidates = sorted(set(local_steps) | set(remote_steps))
+            if not candidates:
+                return None
+            step = candidates[-1]
+        if self.remote is not None and not any((self.local.root / n).exists() for n in SIDE_FILES):
+            self.run.close()  # a fresh machine: bring the run's history back too
+            self.remote.get_side_files(self.local.root)
+        state = self._load(step, local_steps, remote_steps)
         if into:
-            _load_into(state, into, self.local.require(resolved))
+            _load_into(state, into, self.local.require(step))
         if mark_resume:
-            self.run.mark_resume(resolved)
+            self.run.mark_resume(step)
         return state
 
+    def _load(self, step: int, local_steps: list[int], remote_steps: list[int]) -> Any:
+        """The local copy if present and it verifies; else the remote copy, downloaded first."""
+        if step in local_steps:
+            try:
+                return self.local.load(step, world_size=1, verify=self.verify)[0]
+            except CorruptCheckpointError as exc:
+                if step not in remote_steps:
+                    raise
+                message = f"{exc}; restoring step {step} from the remote copy instead"
+                log.warning(message)
+                warnings.warn(message, RuntimeWarning, stacklevel=3)
+                remove_dir(self.local.step_path(step))
+        elif step not in remote_steps:
+            where = f" or {self.remote.display_url}" if self.remote is not None else ""
+            raise CheckpointNotFoundError(f"step {step}: no committed checkpoint in {self.local.root}{where} "
+                                          f"(have: {sorted(set(local_steps) | set(remote_steps))[-5:]})")
+        self.remote.download(step, self.local.step_path(step), verify=self.verify)
+        self.local.update_latest()
+        return self.local.load(step, world_size=1, verify=self.verify)[0]
+
     def latest_step(self) -> int | None:
-        return self.local.latest_step()
+        """The newest committed step on any tier."""
+        steps = [s for s in (self.local.latest_step(),) if s is not None]
+        if self.remote is not None:
+            steps += self.remote.steps()[-1:]
+        return max(steps) if steps else None
 
     def list(self) -> list[CheckpointInfo]:
+        """Every committed checkpoint on either tier, oldest first, with where it lives."""
+        local = set(self.local.steps())
+        remote = set(self.remote.steps()) if self.remote is not None else set()
+        status = self.uploader.status() if self.uploader is not None else {}
         out = []
-        for step in self.local.steps():
-            m = self.local.manifest(step)
-            out.append(CheckpointInfo(step, self.local.step_path(step), m.total_size, m.created_unix, m.world_size))
+        for step in sorted(local | remote):
+            m = self.local.manifest(step) if step in local else self.remote.upload_manifest(step).shard_manifest
+            upload = status.get(step, {}).get("state") if step not in remote and self.remote else None
+            out.append(CheckpointInfo(step, self.local.step_path(step) if step in local else None, m.total_size,
+                                      m.created_unix, m.world_size, step in local, step in remote, upload))
         return out
 
     # ---- side files -------------------------------------------------------------------

@@ -1,0 +1,193 @@
+"""The remote tier against real endpoints: moto's S3 server over HTTP and a file:// directory."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+
+import pytest
+import torch
+
+from conftest import FlakyFS, flip_byte, trained
+from tieredckpt import CheckpointStore, CorruptCheckpointError, KeepEvery, KeepLast
+from tieredckpt.compare import first_difference
+from tieredckpt.remote import RemoteTier
+from tieredckpt.uploader import UploadError
+
+
+def state(step, n=5000):
+    g = torch.Generator().manual_seed(step)
+    return {"w": torch.randn(n, generator=g), "m": torch.randn(n, generator=g).bfloat16(), "step": step}
+
+
+def store(run_dir, remote, **kw):
+    kw.setdefault("upload_backoff", (0.05, 0.2))
+    return CheckpointStore(run_dir, remote.url, remote_options=remote.options, **kw)
+
+
+@pytest.mark.parametrize("compression", ["zstd-planes", "zstd", None])
+def test_fresh_machine_restore_brings_back_state_and_side_files(tmp_path, remote, compression):
+    run_dir = tmp_path / "run"
+    model, opt = trained(steps=2)
+    with store(run_dir, remote, compression=compression, upload_part_size=4096) as s:
+        for step in range(1, 4):
+            s.log_loss(step, 1.0 / step)
+        s.run.write_samples([{"step": 3, "text": "abc"}])
+        s.run.write_state({"arms": [1, 2]})
+        s.pivot(2, note="mix change")
+        s.run.write_samples([{"step": 3, "text": "after pivot"}])
+        s.save(3, {"model": model, "optim": opt, "step": 3}).wait()
+        s.wait(uploads=True)
+    expected = {"model": model.state_dict(), "optim": opt.state_dict(), "step": 3}
+    side = {p.relative_to(run_dir): p.read_bytes() for p in run_dir.rglob("*")
+            if p.is_file() and ("archive" in p.parts or p.name in (".loss.json", ".samples.json", ".state.json"))}
+    shutil.rmtree(run_dir)  # the machine is gone
+
+    fresh = tmp_path / "new-machine"
+    with store(fresh, remote) as s:
+        restored = s.restore()
+        assert first_difference(expected, restored) is None
+        for rel, data in side.items():
+            got = (fresh / rel).read_bytes()
+            assert got == data or rel.name == ".loss.json" and got.startswith(data), rel
+        assert sorted(s.run.read_loss().by_step()) == [1, 2, 3]
+        assert s.run.pivots()[0]["note"] == "mix change"
+
+
+def test_upload_manifest_is_the_commit_marker_and_partial_uploads_stay_invisible(tmp_path, remote):
+    real = RemoteTier(remote.url, remote.options)
+    flaky = FlakyFS(real.fs, {"pipe_file": []})
+    with store(tmp_path / "run", remote, remote_fs=flaky, upload_part_size=2048, upload_retry_timeout=0) as s:
+        s.save(1, state(1)).wait()
+        s.wait(uploads=True)
+        # The next upload dies after its first two parts reach the server.
+        flaky.fail["pipe_file"] = [None, None, None, ConnectionResetError("connection reset by peer")]
+        s.save(2, state(2)).wait()
+        with pytest.raises(UploadError, match="connection reset"):
+            s.wait(uploads=True)
+    r = RemoteTier(remote.url, remote.options)
+    assert r.steps() == [1]
+    assert r.uncommitted() == [2]  # data is there, but without upload.json it does not exist
+    with store(tmp_path / "elsewhere", remote, max_pending_uploads=None) as other:
+        pass  # a machine without step 2 locally cleans the garbage up
+    assert RemoteTier(remote.url, remote.options).uncommitted() == []
+    fresh = CheckpointStore(tmp_path / "reader", remote.url, remote_options=remote.options)
+    assert fresh.restore()["step"] == 1
+    fresh.close()
+
+
+def test_transient_errors_are_retried_and_the_upload_resumes(tmp_path, remote):
+    real = RemoteTier(remote.url, remote.options)
+    errors = [OSError("503 Service Unavailable"), None, ConnectionResetError("reset"),
+              TimeoutError("read timed out"), None, None, OSError("SlowDown: please reduce your request rate")]
+    flaky = FlakyFS(real.fs, {"pipe_file": errors})
+    with store(tmp_path / "run", remote, remote_fs=flaky, upload_part_size=4096) as s:
+        s.save(1, state(1)).wait()
+        s.wait(uploads=True)
+        assert [c.step for c in s.list() if c.remote] == [1]
+    assert errors == []  # every injected fault was hit, and retried past
+    shutil.rmtree(tmp_path / "run")
+    with store(tmp_path / "run", remote) as s:
+        assert first_difference(state(1), s.restore()) is None
+
+
+def test_permanent_error_surfaces_at_the_next_call_and_rotation_keeps_the_copy(tmp_path, remote):
+    real = RemoteTier(remote.url, remote.options)
+    flaky = FlakyFS(real.fs, {"pipe_file": [PermissionError("Access Denied")] * 3})
+    s = store(tmp_path / "run", remote, remote_fs=flaky, keep_local=1, max_pending_uploads=None)
+    s.save(1, state(1)).wait()
+    with pytest.raises(UploadError, match="Access Denied"):
+        s.wait(uploads=True)
+    status = json.loads((tmp_path / "run" / ".uploads.json").read_text())
+    assert status["steps"]["1"]["state"] == "failed" and "Access Denied" in status["steps"]["1"]["error"]
+    for step in (2, 3):
+        s.save(step, state(step)).wait()
+    with pytest.raises(UploadError):
+        s.wait(uploads=True)
+    assert s.local.steps() == [1, 2, 3]  # keep_local=1, yet nothing un-uploaded is evicted
+    with pytest.raises(UploadError, match="step_000003"):
+        s.close()  # each failure is reported once; step 3's had not been yet
+    # A restart with a working remote re-queues what never made it, then rotation catches up.
+    with store(tmp_path / "run", remote, keep_local=1) as s:
+        s.wait(uploads=True)
+        assert RemoteTier(remote.url, remote.options).steps() == [1, 2, 3]
+    assert CheckpointStore(tmp_path / "run").local.steps() == [3]
+
+
+def test_corrupt_remote_object_is_named_on_restore(tmp_path, remote):
+    with store(tmp_path / "run", remote, upload_part_size=4096) as s:
+        s.save(1, state(1)).wait()
+        s.wait(uploads=True)
+    r = RemoteTier(remote.url, remote.options)
+    part = r.path("step_000001", "rank0.bin.p00002")
+    data = bytearray(r.fs.cat_file(part))
+    data[10] ^= 0xFF
+    r.fs.pipe_file(part, bytes(data))
+    shutil.rmtree(tmp_path / "run")
+    with store(tmp_path / "run", remote) as s:
+        with pytest.raises(CorruptCheckpointError, match=r"step_000001/rank0.bin.p00002.*corrupt remote object"):
+            s.restore()
+        assert s.local.steps() == []  # nothing half-downloaded is left looking like a checkpoint
+    assert not [p for p in (tmp_path / "run").iterdir() if p.name.startswith("step_")]
+
+
+def test_corrupt_local_copy_falls_back_to_the_remote_with_a_warning(tmp_path, remote):
+    with store(tmp_path / "run", remote) as s:
+        s.save(1, state(1)).wait()
+        s.wait(uploads=True)
+    flip_byte(tmp_path / "run" / "step_000001" / "rank0.bin", 500)
+    with store(tmp_path / "run", remote) as s:
+        with pytest.warns(RuntimeWarning, match="rank0.bin.*remote copy"):
+            restored = s.restore()
+    assert first_difference(state(1), restored) is None
+    assert CheckpointStore(tmp_path / "run").local.verify(1)  # the local copy was replaced by a good one
+
+
+def test_remote_retention_keeps_last_n_and_every_mth(tmp_path, remote):
+    from tieredckpt import AnyOf
+    with store(tmp_path / "run", remote, keep_remote=AnyOf(KeepLast(2), KeepEvery(4)), keep_local=1,
+               every=1) as s:
+        for step in range(1, 10):
+            s.save(step, {"step": step})
+            s.wait(uploads=True)
+    assert RemoteTier(remote.url, remote.options).steps() == [4, 8, 9]
+    assert RemoteTier(remote.url, remote.options).latest_pointer() == 9
+
+
+def test_credentials_never_appear_in_logs_manifests_status_or_cli(tmp_path, moto_server, caplog):
+    import subprocess
+    import sys
+    key, secret = "AKIASECRETKEYID12345", "VerySecret/Value+0987654321"
+    moto_server.make_bucket("creds")
+    options = {**moto_server.options(), "key": key, "secret": secret}
+    caplog.set_level(logging.DEBUG)
+    url = "s3://creds/run"
+    with CheckpointStore(tmp_path / "run", url, remote_options=options, upload_backoff=(0.05, 0.1)) as s:
+        s.log_loss(1, 0.5)
+        s.save(1, state(1)).wait()
+        s.wait(uploads=True)
+    # and a failing remote (missing bucket), whose error is raised and logged
+    bad = CheckpointStore(tmp_path / "bad", "s3://no-such-bucket/x", remote_options=options,
+                          upload_retry_timeout=0)
+    bad.save(1, state(1)).wait()
+    with pytest.raises(UploadError) as failure:
+        bad.wait(uploads=True)
+    bad.close()
+    cli = subprocess.run([sys.executable, "-m", "tieredckpt.cli", "ls", str(tmp_path / "run"),
+                          "--endpoint-url", moto_server.endpoint],
+                         capture_output=True, text=True, env={"AWS_ACCESS_KEY_ID": key, "AWS_SECRET_ACCESS_KEY": secret,
+                                                              "PATH": "/usr/bin:/bin"})
+    assert cli.returncode == 0, cli.stderr
+    assert "remote" in cli.stdout
+    assert "no-such-bucket" in str(failure.value) and "not found" in str(failure.value)
+    # botocore's own DEBUG log prints the access key *id* in the Authorization header (never the
+    # secret); everything tieredckpt writes, logs, raises or prints must hold neither.
+    assert secret not in caplog.text
+    ours = "\n".join(r.getMessage() for r in caplog.records if r.name.startswith("tieredckpt"))
+    texts = [ours, str(failure.value), cli.stdout, cli.stderr]
+    texts += [p.read_text(errors="replace") for p in tmp_path.rglob("*") if p.is_file() and p.suffix == ".json"]
+    fs = RemoteTier(url, options).fs
+    texts += [fs.cat_file(p).decode(errors="replace") for p in fs.find("creds") if p.endswith(".json")]
+    for text in texts:
+        assert key not in text and secret not in text

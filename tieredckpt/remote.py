@@ -1,0 +1,489 @@
+"""The remote tier: any fsspec URL (s3://, file://, memory://, ...).
+
+Object stores have no rename, so the commit marker is the upload manifest:
+
+    ROOT/step_000100/rank0.bin.p00000 ...   parts of each shard, 64 MiB raw each,
+                                           encoded by the codec (zstd-planes, zstd, raw)
+    ROOT/step_000100/upload.json            written LAST: without it the step does not exist
+    ROOT/latest                             newest uploaded step, written after upload.json
+    ROOT/run/.loss.json ...                 the run directory's side files
+
+Upload order: side files -> every part -> upload.json -> latest. Parts are
+encoded on the calling thread while a small pool sends the previous ones, so
+compression overlaps the transfer. Each part records the checksum of its stored
+bytes and of its raw bytes; the embedded checkpoint manifest carries each
+file's whole-file crc32c and sha256.
+
+Download order (into the local tier, same protocol as a save): parts fetched in
+parallel into a scratch directory, stored and raw checksums checked, whole
+files verified against the manifest, manifest.json written last, renamed.
+
+Every backend error is mapped here to RemoteError naming the object (never a
+credential); ``RemoteError.transient`` says whether a retry may help.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import shutil
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import fsspec
+
+from . import layout
+from .atomic import atomic_write_bytes, commit_dir, make_scratch_dir
+from .checksum import crc32c_update, crc_hex, map_file
+from .codec import CODECS, decode, encode
+from .errors import CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError, ManifestError, TieredCkptError
+from .manifest import ShardManifest, check_relative_path
+from .memview import byte_view
+from .sharded import read_manifest, shard_paths, verify_checkpoint_files, write_manifest
+
+UPLOAD_MANIFEST = "upload.json"
+RUN_PREFIX = "run"
+PART_SIZE = 64 << 20
+UPLOAD_SCHEMA = 1
+SIDE_NAMES = (".loss.json", ".samples.json", ".state.json", "provenance.json")
+
+
+class RemoteError(TieredCkptError, OSError):
+    """A remote operation failed. ``transient``: a retry may succeed."""
+
+    def __init__(self, message: str, transient: bool) -> None:
+        super().__init__(message)
+        self.transient = transient
+
+
+class RemoteNotFoundError(RemoteError, FileNotFoundError):
+    """The remote object, prefix or bucket does not exist."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, transient=False)
+
+
+@dataclass(frozen=True)
+class PartEntry:
+    path: str
+    offset: int
+    raw_size: int
+    stored_size: int
+    raw_crc32c: str
+    stored_crc32c: str
+
+
+@dataclass(frozen=True)
+class UploadedFile:
+    path: str
+    size: int
+    parts: list[PartEntry]
+
+
+@dataclass(frozen=True)
+class UploadManifest:
+    step: int
+    codec: str
+    files: list[UploadedFile]
+    checkpoint: dict  # the local manifest.json, embedded
+    uploaded_unix: float
+    schema_version: int = UPLOAD_SCHEMA
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1)
+
+    @property
+    def stored_size(self) -> int:
+        return sum(p.stored_size for f in self.files for p in f.parts)
+
+    @classmethod
+    def from_json(cls, text: str | bytes, source: str) -> "UploadManifest":
+        """Parse and validate an untrusted upload manifest."""
+        try:
+            raw = json.loads(text)
+        except (ValueError, RecursionError) as exc:
+            raise ManifestError(f"{source}: not valid JSON ({exc})") from None
+        if not isinstance(raw, dict) or raw.get("schema_version") != UPLOAD_SCHEMA:
+            raise ManifestError(f"{source}: not an upload manifest of schema_version {UPLOAD_SCHEMA}")
+        if raw.get("codec") not in CODECS:
+            raise ManifestError(f"{source}: unknown codec {raw.get('codec')!r}")
+        checkpoint = ShardManifest.from_json(json.dumps(raw.get("checkpoint")), f"{source} (checkpoint)")
+        files = raw.get("files")
+        if not isinstance(files, list) or len(files) != len(checkpoint.shards):
+            raise ManifestError(f"{source}: 'files' must list one entry per shard")
+        parsed = [_uploaded_file(f, shard, f"{source}: files[{i}]")
+                  for i, (f, shard) in enumerate(zip(files, checkpoint.shards))]
+        step = raw.get("step")
+        if step != checkpoint.step:
+            raise ManifestError(f"{source}: step {step!r} differs from its checkpoint's {checkpoint.step}")
+        uploaded = raw.get("uploaded_unix")
+        if type(uploaded) not in (int, float):
+            raise ManifestError(f"{source}: uploaded_unix must be a number")
+        return cls(step, raw["codec"], parsed, raw["checkpoint"], float(uploaded))
+
+    @property
+    def shard_manifest(self) -> ShardManifest:
+        return ShardManifest.from_json(json.dumps(self.checkpoint), "upload manifest")
+
+
+def _uploaded_file(raw, shard, where) -> UploadedFile:
+    if not isinstance(raw, dict) or raw.get("path") != shard.path or raw.get("size") != shard.size:
+        raise ManifestError(f"{where}: does not match shard {shard.path!r} of {shard.size} bytes")
+    parts_raw = raw.get("parts")
+    if not isinstance(parts_raw, list) or not parts_raw:
+        raise ManifestError(f"{where}: 'parts' must be a non-empty list")
+    parts, offset = [], 0
+    for j, p in enumerate(parts_raw):
+        if not isinstance(p, dict):
+            raise ManifestError(f"{where}: parts[{j}] is not an object")
+        ints = [p.get(k) for k in ("offset", "raw_size", "stored_size")]
+        if not all(type(v) is int and 0 <= v < 2**63 for v in ints) or p["offset"] != offset:
+            raise ManifestError(f"{where}: parts[{j}] offsets/sizes are invalid or not contiguous")
+        crcs = [p.get("raw_crc32c"), p.get("stored_crc32c")]
+        if not all(isinstance(c, str) and re.fullmatch(r"[0-9a-f]{8}", c) for c in crcs):
+            raise ManifestError(f"{where}: parts[{j}] checksums are not 8 hex digits")
+        parts.append(PartEntry(check_relative_path(p.get("path"), where), *ints, *crcs))
+        offset += p["raw_size"]
+    if offset != shard.size:
+        raise ManifestError(f"{where}: parts cover {offset} bytes of {shard.size}")
+    return UploadedFile(shard.path, shard.size, parts)
+
+
+class RemoteTier:
+    def __init__(self, url: str, options: dict | None = None, *, fs: fsspec.AbstractFileSystem | None = None,
+                 part_size: int = PART_SIZE, concurrency: int = 4) -> None:
+        self.options = dict(options or {})
+        self.display_url = redact_url(url)
+        self._secrets = secret_values(self.options) + secret_values(dict(os.environ), env=True) + _url_secrets(url)
+        if fs is None:
+            options = dict(self.options)
+            if fsspec.core.split_protocol(url)[0] in (None, "file", "local"):
+                options.setdefault("auto_mkdir", True)  # object stores need no directories; disks do
+            try:
+                fs, root = fsspec.core.url_to_fs(url, **options)
+            except (ImportError, ValueError, TypeError) as exc:
+                raise TieredCkptError(self.scrub(f"{self.display_url}: cannot open this remote ({exc})")) from None
+        else:
+            root = fs._strip_protocol(url)
+        self.fs = fs
+        self.root = root.rstrip("/")
+        self.part_size = part_size
+        self.concurrency = concurrency
+
+    # ---- names --------------------------------------------------------------------------
+
+    def path(self, *parts: str) -> str:
+        return "/".join([self.root, *parts])
+
+    def step_path(self, step: int) -> str:
+        return self.path(layout.step_dir_name(step))
+
+    def where(self, *parts: str) -> str:
+        """A remote object's name for messages: the URL without credentials."""
+        return "/".join([self.display_url.rstrip("/"), *parts])
+
+    # ---- listing ------------------------------------------------------------------------
+
+    def steps(self) -> list[int]:
+        """Steps whose upload manifest exists (the only ones that exist for a reader)."""
+        return sorted(s for s, committed in self._step_dirs().items() if committed)
+
+    def uncommitted(self) -> list[int]:
+        """Step directories holding data but no upload manifest: a half-finished upload."""
+        return sorted(s for s, committed in self._step_dirs().items() if not committed)
+
+    def _step_dirs(self) -> dict[int, bool]:
+        def listing():
+            self.fs.invalidate_cache()
+            try:
+                entries = self.fs.find(self.root, withdirs=False, detail=False)
+            except FileNotFoundError:
+                return []
+            return entries
+        found: dict[int, bool] = {}
+        prefix = self.root + "/"
+        for entry in self.call(listing, "list"):
+            rel = entry[len(prefix):] if entry.startswith(prefix) else entry
+            head, _, rest = rel.partition("/")
+            step = layout.parse_step_dir(head)
+            if step is not None:
+                found[step] = found.get(step, False) or rest == UPLOAD_MANIFEST
+        return found
+
+    def upload_manifest(self, step: int) -> UploadManifest:
+        path = self.path(layout.step_dir_name(step), UPLOAD_MANIFEST)
+        where = self.where(layout.step_dir_name(step), UPLOAD_MANIFEST)
+        try:
+            text = self.call(lambda: self.fs.cat_file(path), f"read {UPLOAD_MANIFEST}", missing_ok=False)
+        except FileNotFoundError:
+            raise CheckpointNotFoundError(f"{where}: no uploaded checkpoint for step {step}") from None
+        return UploadManifest.from_json(text, where)
+
+    def latest_pointer(self) -> int | None:
+        try:
+            text = self.call(lambda: self.fs.cat_file(self.path(layout.LATEST)), "read latest", missing_ok=False)
+        except FileNotFoundError:
+            return None
+        return layout.parse_step_dir(text.decode(errors="replace").strip())
+
+    # ---- upload -------------------------------------------------------------------------
+
+    def upload(self, local_dir: Path, codec: str = "zstd-planes", level: int = 1,
+               done: dict | None = None, progress: Callable[[int], None] | None = None) -> UploadManifest:
+        """Send a committed local checkpoint; upload.json goes last. ``done`` carries parts
+        already sent (by remote path) across retries so a retry resumes instead of restarting."""
+        manifest = read_manifest(local_dir)
+        step_dir = layout.step_dir_name(manifest.step)
+        done = {} if done is None else done
+        files = []
+        for path, shard in zip(shard_paths(local_dir, manifest), manifest.shards):
+            files.append(UploadedFile(shard.path, shard.size,
+                                      self._upload_file(path, shard.path, shard.size, step_dir, codec, level,
+                                                        done, progress)))
+        self._confirm_parts(step_dir, files, done)
+        upload = UploadManifest(manifest.step, codec, files, json.loads(manifest.to_json()), time.time())
+        data = upload.to_json().encode()
+        self.call(lambda: self.fs.pipe_file(self.path(step_dir, UPLOAD_MANIFEST), data),
+                  f"write {step_dir}/{UPLOAD_MANIFEST}")  # the commit marker, last
+        return upload
+
+    def _confirm_parts(self, step_dir: str, files: list[UploadedFile], done: dict) -> None:
+        """Before the commit marker: every part must be on the remote with its stored size.
+
+        A retry skips parts an earlier attempt sent; if the server lost any of them
+        meanwhile, writing upload.json would publish a partial checkpoint. Missing
+        parts are forgotten (so the next attempt re-sends them) and the attempt fails.
+        """
+        def listing():
+            self.fs.invalidate_cache()
+            return self.fs.find(self.path(step_dir), detail=True)
+        present = {path.rstrip("/"): info.get("size") for path, info in self.call(listing, f"list {step_dir}").items()}
+        missing = []
+        for f in files:
+            for part in f.parts:
+                remote = self.path(step_dir, part.path)
+                if present.get(self.fs._strip_protocol(remote)) != part.stored_size:
+                    missing.append(part.path)
+                    done.pop(remote, None)
+        if missing:
+            raise RemoteError(f"{self.where(step_dir)}: {len(missing)} uploaded part(s) are missing or short "
+                              f"on the remote (first: {missing[0]}); sending them again", transient=True)
+
+    def _upload_file(self, path, name, size, step_dir, codec, level, done, progress) -> list[PartEntry]:
+        buf = map_file(path, size)
+        parts: list[PartEntry] = []
+        in_flight = threading.BoundedSemaphore(self.concurrency + 1)
+        errors: list[BaseException] = []
+
+        def send(remote, stored, raw_size):
+            try:
+                if not errors:
+                    self.call(lambda: self.fs.pipe_file(remote, stored), f"write {remote}")
+                    if progress:
+                        progress(raw_size)
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller below
+                errors.append(exc)
+            finally:
+                in_flight.release()
+
+        with ThreadPoolExecutor(self.concurrency, thread_name_prefix="tieredckpt-upload") as pool:
+            for i, offset in enumerate(range(0, max(size, 1), self.part_size)):
+                rel = f"{name}.p{i:05d}"
+                remote = self.path(step_dir, rel)
+                raw = buf[offset:offset + self.part_size]
+                raw_crc = crc_hex(crc32c_update(byte_view(raw)))
+                cached = done.get(remote)
+                if cached is not None and cached.raw_crc32c == raw_crc and cached.offset == offset:
+                    parts.append(cached)  # sent by an earlier attempt
+                    continue
+                stored = encode(raw, codec, level)  # overlaps the sends already in flight
+                entry = PartEntry(rel, offset, raw.numel(), len(stored), raw_crc,
+                                  crc_hex(crc32c_update(stored)))
+                parts.append(entry)
+                in_flight.acquire()
+                if errors:
+                    in_flight.release()
+                    break
+                pool.submit(send, remote, stored, raw.numel()).add_done_callback(
+                    lambda f, remote=remote, entry=entry: (not f.exception() and not errors) and done.__setitem__(remote, entry))
+        if errors:
+            raise errors[0]
+        return parts
+
+    def write_latest(self, step: int) -> None:
+        data = (layout.step_dir_name(step) + "\n").encode()
+        self.call(lambda: self.fs.pipe_file(self.path(layout.LATEST), data), "write latest")
+
+    # ---- download -----------------------------------------------------------------------
+
+    def download(self, step: int, dest: Path, verify: str = "crc",
+                 progress: Callable[[int], None] | None = None) -> ShardManifest:
+        """Fetch a remote checkpoint into ``dest`` (a local step dir) with the local commit protocol."""
+        upload = self.upload_manifest(step)
+        manifest = upload.shard_manifest
+        if dest.exists():
+            raise CheckpointExistsError(f"{dest}: a checkpoint is already committed here")
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = make_scratch_dir(dest)
+        try:
+            jobs = []
+            fds = {}
+            for f in upload.files:
+                fd = os.open(tmp / f.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+                fds[f.path] = fd
+                os.ftruncate(fd, f.size)
+                jobs += [(fd, part, upload.codec) for part in f.parts]
+            try:
+                with ThreadPoolExecutor(self.concurrency, thread_name_prefix="tieredckpt-download") as pool:
+                    for result in pool.map(lambda job: self._fetch_part(step, *job, progress), jobs):
+                        pass
+                for fd in fds.values():
+                    os.fsync(fd)
+            finally:
+                for fd in fds.values():
+                    os.close(fd)
+            verify_checkpoint_files(tmp, manifest, full=verify == "sha256")
+            write_manifest(tmp, manifest)  # last, as in a save
+            commit_dir(tmp, dest)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return manifest
+
+    def _fetch_part(self, step: int, fd: int, part: PartEntry, codec: str, progress) -> None:
+        rel = f"{layout.step_dir_name(step)}/{part.path}"
+        stored = self.call(lambda: self.fs.cat_file(self.path(rel)), f"read {rel}")
+        if len(stored) != part.stored_size or crc_hex(crc32c_update(stored)) != part.stored_crc32c:
+            raise CorruptCheckpointError(
+                f"{self.where(rel)}: {len(stored)} bytes with crc32c {crc_hex(crc32c_update(stored))}, "
+                f"the upload manifest records {part.stored_size} bytes with {part.stored_crc32c} (corrupt remote object)")
+        raw = decode(stored, codec, part.raw_size, self.where(rel))
+        if crc_hex(crc32c_update(raw)) != part.raw_crc32c:
+            raise CorruptCheckpointError(f"{self.where(rel)}: decoded bytes fail their crc32c (corrupt remote object)")
+        view = memoryview(raw)
+        written = 0
+        while written < len(view):
+            written += os.pwrite(fd, view[written:], part.offset + written)
+        if progress:
+            progress(part.raw_size)
+
+    # ---- deletion and retention ---------------------------------------------------------
+
+    def delete(self, step: int) -> None:
+        """Remove a remote step: its upload manifest first (it stops existing), then its data."""
+        step_dir = layout.step_dir_name(step)
+        marker = self.path(step_dir, UPLOAD_MANIFEST)
+        self.call(lambda: self.fs.rm_file(marker) if self.fs.exists(marker) else None, f"delete {step_dir}/{UPLOAD_MANIFEST}")
+        self.call(lambda: self.fs.rm(self.path(step_dir), recursive=True), f"delete {step_dir}", missing_ok=True)
+
+    # ---- side files ---------------------------------------------------------------------
+
+    def put_side_files(self, run_dir: Path) -> int:
+        """Upload the run directory's side files and archives; returns how many."""
+        count = 0
+        for rel in side_files(run_dir):
+            data = (run_dir / rel).read_bytes()
+            self.call(lambda: self.fs.pipe_file(self.path(RUN_PREFIX, rel), data), f"write {RUN_PREFIX}/{rel}")
+            count += 1
+        return count
+
+    def get_side_files(self, run_dir: Path) -> list[str]:
+        """Download side files the local run directory lacks (a fresh machine)."""
+        prefix = self.path(RUN_PREFIX) + "/"
+
+        def listing():
+            self.fs.invalidate_cache()
+            try:
+                return self.fs.find(self.path(RUN_PREFIX), detail=False)
+            except FileNotFoundError:
+                return []
+        fetched = []
+        for entry in self.call(listing, "list run files"):
+            rel = entry[len(prefix):] if entry.startswith(prefix) else None
+            if not rel:
+                continue
+            check_relative_path(rel, self.where(RUN_PREFIX))
+            target = run_dir / rel
+            if target.exists():
+                continue
+            target.parent.mkdir(parents=True, exist_ok=True)
+            data = self.call(lambda: self.fs.cat_file(entry), f"read {RUN_PREFIX}/{rel}")
+            atomic_write_bytes(target, data)
+            fetched.append(rel)
+        return fetched
+
+    # ---- error mapping ------------------------------------------------------------------
+
+    def call(self, fn, what: str, missing_ok: bool = False):
+        """Run one backend operation; map its errors to RemoteError (credentials scrubbed)."""
+        try:
+            return fn()
+        except TieredCkptError:
+            raise
+        except FileNotFoundError as exc:
+            if missing_ok:
+                return None
+            raise RemoteNotFoundError(self.scrub(f"{self.display_url}: {what} failed: not found ({exc})")) from None
+        except Exception as exc:  # noqa: BLE001 - every backend error is mapped here
+            message = self.scrub(f"{self.display_url}: {what} failed: {type(exc).__name__}: {exc}")
+            raise RemoteError(message, transient=is_transient(exc)) from None
+
+    def scrub(self, text: str) -> str:
+        for secret in self._secrets:
+            text = text.replace(secret, "***")
+        return text
+
+
+def is_transient(exc: BaseException) -> bool:
+    """True for errors a retry may fix: connection trouble, timeouts, 5xx, throttling."""
+    if isinstance(exc, (PermissionError, FileNotFoundError, NotADirectoryError, IsADirectoryError,
+                        ValueError, TypeError, TieredCkptError)):
+        return False
+    if isinstance(exc, (ConnectionError, TimeoutError, asyncio.TimeoutError)):
+        return True
+    text = f"{type(exc).__name__} {exc}"
+    if re.search(r"\b(5\d\d|SlowDown|Throttl|RequestTimeout|ServiceUnavailable|InternalError|"
+                 r"Connect|Timeout|reset|Broken pipe|EOF|temporar)", text, re.IGNORECASE):
+        return True
+    return isinstance(exc, OSError)  # other I/O trouble: worth a retry
+
+
+def side_files(run_dir: Path) -> list[str]:
+    names = [n for n in SIDE_NAMES if (run_dir / n).is_file()]
+    archive = run_dir / "archive"
+    if archive.is_dir():
+        names += sorted(str(p.relative_to(run_dir)) for p in archive.rglob("*")
+                        if p.is_file() and layout.scratch_owner_pid(p.parent.name) is None)
+    return names
+
+
+def redact_url(url: str) -> str:
+    """The URL without any user:password@ part."""
+    return re.sub(r"^([a-zA-Z0-9+.-]+://)[^/@]*@", r"\1***@", url)
+
+
+_SECRET_KEY = re.compile(r"(key|secret|token|password|passwd|credential)", re.IGNORECASE)
+
+
+def secret_values(options: dict, env: bool = False) -> list[str]:
+    """String values that look like credentials, from options (recursively) or AWS_* variables."""
+    found = []
+    for key, value in options.items():
+        if env and not str(key).startswith(("AWS_", "TIEREDCKPT_")):
+            continue
+        if isinstance(value, dict):
+            found += secret_values(value)
+        elif isinstance(value, str) and len(value) >= 4 and _SECRET_KEY.search(str(key)):
+            found.append(value)
+    return sorted(set(found), key=len, reverse=True)
+
+
+def _url_secrets(url: str) -> list[str]:
+    match = re.match(r"^[a-zA-Z0-9+.-]+://([^/@]*)@", url)
+    return [s for s in re.split(r"[:]", match.group(1)) if len(s) >= 4] if match else []
