@@ -1,6 +1,7 @@
 """Train a tiny character-level transformer LM with tieredckpt checkpoints.
 
     python examples/train_tiny_lm.py --run-dir runs/tiny --steps 1200 --every 100
+    python examples/train_tiny_lm.py --remote s3://checkpoints/tiny --endpoint-url http://127.0.0.1:9000
 
 Run it again with the same --run-dir and it resumes from the newest
 checkpoint. Send SIGTERM (kill PID) to save the current step and exit 0, or
@@ -9,7 +10,9 @@ run is bit-for-bit the run that never stopped: model, AdamW m and v, RNG
 states (dropout) and the data order are all in the checkpoint.
 
 Every step's loss goes to RUN_DIR/.loss.json; a generated sample is written
-to RUN_DIR/.samples.json at every checkpoint cadence.
+to RUN_DIR/.samples.json at every checkpoint cadence. With --remote, every
+checkpoint (and the side files) is also uploaded in the background; delete the
+run directory and run again to watch it come back from the remote.
 """
 
 from __future__ import annotations
@@ -67,6 +70,9 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--threads", type=int, default=1, help="torch threads (fixed, so runs are bit-reproducible)")
+    p.add_argument("--remote", help="also upload checkpoints here: s3://bucket/prefix, file:///dir, ...")
+    p.add_argument("--endpoint-url", help="S3-compatible endpoint, e.g. MinIO's http://127.0.0.1:9000 "
+                                          "(credentials from AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -82,14 +88,18 @@ def main() -> int:
         return {"model": model, "optim": opt, "step": step, "rng": capture_rng(),
                 "data_order": data_order.get_state(), "vocab": "".join(chars)}
 
-    with CheckpointStore(args.run_dir, every=args.every, keep_local=args.keep) as store, store.handle_signals():
+    options = {"endpoint_url": args.endpoint_url} if args.endpoint_url else {}
+    with CheckpointStore(args.run_dir, args.remote, remote_options=options, every=args.every,
+                         keep_local=args.keep) as store, store.handle_signals():
+        had_local = bool(store.local.steps())
         saved = store.restore(into={"model": model, "optim": opt})
         step = 0
         if saved is not None:
             step = saved["step"]
             restore_rng(saved["rng"])
             data_order.set_state(saved["data_order"])
-            print(f"resumed from {store.local.step_path(step)} (step {step})", flush=True)
+            where = store.local.step_path(step) if had_local else f"{store.remote.display_url} (downloaded)"
+            print(f"resumed from {where} (step {step})", flush=True)
         print(f"training {sum(p.numel() for p in model.parameters()):,} params to step {args.steps}; "
               f"checkpoint every {args.every} steps; pid {os.getpid()} "
               f"(kill -TERM to save and exit, kill -USR1 to save and go on)", flush=True)
@@ -115,7 +125,13 @@ def main() -> int:
             bar.close()
         store.wait()
         print(f"done at step {step}, loss {loss:.4f}. checkpoints in {store.local.root.resolve()}: "
-              f"{[c.step for c in store.list()]} (latest -> {store.latest_step()})", flush=True)
+              f"{store.local.steps()} (latest -> {store.local.latest_step()})", flush=True)
+        if store.remote is not None and not stop:
+            print(f"uploading to {store.remote.display_url} ...", flush=True)
+            store.wait(uploads=True)
+            print(f"remote holds steps {store.remote.steps()}", flush=True)
+        elif store.remote is not None:
+            print(f"pending uploads {store.uploader.pending()} resume at the next start", flush=True)
     return 0
 
 

@@ -4,6 +4,7 @@ from .errors import (BackgroundSaveError, IncompatibleStateError, CheckpointExis
                      ChecksumMismatchError, CorruptCheckpointError, FlatFormatError, ManifestError,
                      MissingShardError, ShardCountMismatchError, TieredCkptError,
                      UnsupportedStateError, WorldSizeMismatchError)
+from .config import StoreConfig
 from .flat import FlatCheckpoint, flat_to_model, model_to_flat, read_flat, write_flat
 from .local import LocalTier
 from .manifest import ShardEntry, ShardManifest
@@ -11,7 +12,9 @@ from .retention import AnyOf, KeepEvery, KeepLast
 from .rng import capture_rng, restore_rng
 from .runlog import LossHistory, RunLog
 from .sharded import load_sharded, save_sharded, verify_checkpoint
+from .remote import RemoteError
 from .store import CheckpointInfo, CheckpointStore, SaveHandle
+from .uploader import UploadError
 
 __version__ = "0.1.0"
 
@@ -20,7 +23,7 @@ __all__ = [
     "LossHistory", "RunLog", "SaveHandle", "capture_rng", "restore_rng", "CheckpointExistsError", "CheckpointNotFoundError",
     "ChecksumMismatchError", "CorruptCheckpointError", "FlatCheckpoint", "FlatFormatError",
     "KeepEvery", "KeepLast", "LocalTier", "ManifestError", "MissingShardError",
-    "ShardCountMismatchError", "ShardEntry", "ShardManifest", "TieredCkptError",
+    "ShardCountMismatchError", "StoreConfig", "UploadError", "RemoteError", "ShardEntry", "ShardManifest", "TieredCkptError",
     "UnsupportedStateError", "WorldSizeMismatchError", "__version__", "flat_to_model",
     "load_sharded", "model_to_flat", "read_flat", "save_sharded", "verify_checkpoint", "write_flat",
 ]

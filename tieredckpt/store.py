@@ -122,6 +122,17 @@ class CheckpointStore(AbstractContextManager):
                                      backoff=upload_backoff,
                                      keep_remote=keep_remote, on_uploaded=lambda step: self._rotate())
 
+    @classmethod
+    def from_config(cls, config, section: str = "checkpoint", **overrides) -> "CheckpointStore":
+        """A store from a StoreConfig, a dict (the checkpoint section), or a .toml/.yaml/.json path."""
+        from .config import StoreConfig
+        if isinstance(config, (str, os.PathLike)):
+            config = StoreConfig.load(config, section)
+        elif isinstance(config, dict):
+            config = StoreConfig.from_dict(config)
+        kwargs = {**config.store_kwargs(), **overrides}
+        return cls(kwargs.pop("local"), kwargs.pop("remote"), **kwargs)
+
     # ---- saving -----------------------------------------------------------------------
 
     def save(self, step: int, state: Any, *, user: dict | None = None) -> SaveHandle:

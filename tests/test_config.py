@@ -1,0 +1,71 @@
+"""The checkpoint section of a training config: dict, TOML, JSON; secrets from the environment."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import tieredckpt
+from tieredckpt import AnyOf, CheckpointStore, KeepEvery, KeepLast, StoreConfig
+
+
+def test_public_names_are_exported():
+    for name in tieredckpt.__all__:
+        assert hasattr(tieredckpt, name), name
+    for name in ("CheckpointStore", "StoreConfig", "save_sharded", "load_sharded", "UploadError", "RemoteError"):
+        assert name in tieredckpt.__all__
+
+
+def test_toml_section_with_env_secrets(tmp_path, monkeypatch):
+    monkeypatch.setenv("MY_SECRET", "s3cr3t-value")
+    path = tmp_path / "train.toml"
+    path.write_text(f"""
+[model]
+layers = 12
+
+[checkpoint]
+local = "{tmp_path / 'run'}"
+remote = "file://{tmp_path / 'remote'}"
+every = 50
+keep_local = 2
+compression = "none"
+keep_remote = {{ last = 3, every = 1000 }}
+[checkpoint.remote_options]
+token = "${{MY_SECRET}}"
+""")
+    cfg = StoreConfig.load(path)
+    assert cfg.every == 50 and cfg.keep_local == 2 and cfg.compression is None
+    assert cfg.remote_options == {"token": "s3cr3t-value"}
+    assert cfg.keep_remote == AnyOf(KeepLast(3), KeepEvery(1000))
+
+
+def test_store_from_a_dict_config_uploads(tmp_path):
+    section = {"local": str(tmp_path / "run"), "remote": f"file://{tmp_path / 'remote'}", "every": 1,
+               "keep_remote": {"last": 1}}
+    with CheckpointStore.from_config(section) as store:
+        assert store.every == 1
+        store.save(1, {"x": torch.ones(3)}).wait()
+        store.save(2, {"x": torch.ones(3)}).wait()
+        store.wait(uploads=True)
+        assert store.remote.steps() == [2]
+
+
+@pytest.mark.parametrize("raw, match", [
+    ({"remote": "s3://b/x"}, "'local'"),
+    ({"local": "x", "evry": 5}, r"unknown checkpoint settings \['evry'\]"),
+    ({"local": "x", "keep_remote": {"newest": 2}}, "keep_remote"),
+    ({"local": "${NOT_SET_ANYWHERE_123}"}, "NOT_SET_ANYWHERE_123 is not set"),
+])
+def test_bad_config_is_refused_naming_the_setting(raw, match):
+    with pytest.raises(ValueError, match=match):
+        StoreConfig.from_dict(raw)
+
+
+def test_json_file_and_missing_section(tmp_path):
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"checkpoint": {"local": "r", "every": 7}}))
+    assert StoreConfig.load(path).every == 7
+    with pytest.raises(ValueError, match=r"no \[ckpt\] section"):
+        StoreConfig.load(path, section="ckpt")
