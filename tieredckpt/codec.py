@@ -16,6 +16,7 @@ zstd errors to CorruptCheckpointError naming the object.
 from __future__ import annotations
 
 import struct
+import warnings
 
 import torch
 import zstandard
@@ -46,7 +47,7 @@ def decode(stored: bytes, codec: str, raw_size: int, source: str) -> bytes | byt
         elif codec == "zstd":
             out = zstandard.ZstdDecompressor().decompress(stored, max_output_size=raw_size)
         elif codec == "zstd-planes":
-            out = _decode_planes(stored, raw_size)
+            out = _decode_planes(stored, raw_size, source)
         else:
             raise CorruptCheckpointError(f"{source}: unknown codec {codec!r}")
     except zstandard.ZstdError as exc:
@@ -65,21 +66,28 @@ def _encode_planes(raw: torch.Tensor, level: int) -> bytes:
     return b"".join((_LEN.pack(len(packed)), packed, low, bytes(byte_view(raw[4 * n:]))))
 
 
-def _decode_planes(stored: bytes, raw_size: int) -> bytearray:
+def _decode_planes(stored: bytes, raw_size: int, source: str) -> bytearray:
     n = raw_size // 4
     if len(stored) < _LEN.size:
-        raise CorruptCheckpointError("truncated plane frame")
+        raise CorruptCheckpointError(f"{source}: truncated plane frame")
     (packed_len,) = _LEN.unpack_from(stored)
     body = memoryview(stored)[_LEN.size:]
     if packed_len > len(body) or len(body) - packed_len != 3 * n + raw_size % 4:
-        raise CorruptCheckpointError("plane frame sizes do not add up")
+        raise CorruptCheckpointError(f"{source}: plane frame sizes do not add up")
     top = zstandard.ZstdDecompressor().decompress(body[:packed_len], max_output_size=n)
     if len(top) != n:
-        raise CorruptCheckpointError("top plane has the wrong length")
+        raise CorruptCheckpointError(f"{source}: top plane has the wrong length")
     out = bytearray(raw_size)
     if n:
         words = torch.frombuffer(out, dtype=torch.uint8, count=4 * n).view(n, 4)
-        words[:, 3] = torch.frombuffer(bytearray(top), dtype=torch.uint8)
-        words[:, :3] = torch.frombuffer(bytearray(body[packed_len:packed_len + 3 * n]), dtype=torch.uint8).view(n, 3)
+        words[:, 3] = _read_only_view(top, 0, n)
+        words[:, :3] = _read_only_view(stored, _LEN.size + packed_len, 3 * n).view(n, 3)
     out[4 * n:] = body[packed_len + 3 * n:]
     return out
+
+
+def _read_only_view(data: bytes, offset: int, count: int) -> torch.Tensor:
+    """A uint8 tensor over immutable bytes, without copying; only ever read from."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "non-writable buffer": we never write to it
+        return torch.frombuffer(data, dtype=torch.uint8, offset=offset, count=count)

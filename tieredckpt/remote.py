@@ -316,6 +316,12 @@ class RemoteTier:
             raise errors[0]
         return parts
 
+    def _read_object(self, path: str, size: int) -> bytes:
+        """One whole object in one request: s3fs's cat_file costs ~2x the time and CPU of
+        a single unbuffered read of the same object (measured against moto)."""
+        with self.fs.open(path, "rb", block_size=max(size, 5 << 20), cache_type="none") as f:
+            return f.read()
+
     def write_latest(self, step: int) -> None:
         data = (layout.step_dir_name(step) + "\n").encode()
         self.call(lambda: self.fs.pipe_file(self.path(layout.LATEST), data), "write latest")
@@ -358,7 +364,7 @@ class RemoteTier:
 
     def _fetch_part(self, step: int, fd: int, part: PartEntry, codec: str, progress) -> None:
         rel = f"{layout.step_dir_name(step)}/{part.path}"
-        stored = self.call(lambda: self.fs.cat_file(self.path(rel)), f"read {rel}")
+        stored = self.call(lambda: self._read_object(self.path(rel), part.stored_size), f"read {rel}")
         if len(stored) != part.stored_size or crc_hex(crc32c_update(stored)) != part.stored_crc32c:
             raise CorruptCheckpointError(
                 f"{self.where(rel)}: {len(stored)} bytes with crc32c {crc_hex(crc32c_update(stored))}, "
