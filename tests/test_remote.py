@@ -208,3 +208,40 @@ def test_codecs_round_trip_every_length_and_refuse_garbage():
     for bad in (stored[:5], stored[:-1], b"\xff" * 40):
         with pytest.raises(CorruptCheckpointError, match="obj"):
             decode(bad, "zstd-planes", 16000, "obj")
+
+
+def test_memory_remote_for_unit_tests(tmp_path):
+    import uuid
+    url = f"memory://tieredckpt-{uuid.uuid4().hex}"
+    with CheckpointStore(tmp_path / "run", url) as s:
+        s.save(1, state(1)).wait()
+        s.wait(uploads=True)
+    with CheckpointStore(tmp_path / "fresh", url) as s:
+        assert first_difference(state(1), s.restore()) is None
+
+
+def test_sigterm_exit_leaves_pending_uploads_to_the_next_start(tmp_path, remote):
+    import threading
+    real = RemoteTier(remote.url, remote.options)
+    gate = threading.Event()
+
+    class SlowFS(FlakyFS):
+        def __getattr__(self, name):
+            attr = super().__getattr__(name)
+            if name != "pipe_file":
+                return attr
+
+            def slow(*args, **kwargs):
+                gate.wait(10)  # the remote is slow: the upload is still running at exit
+                return attr(*args, **kwargs)
+            return slow
+
+    s = store(tmp_path / "run", remote, remote_fs=SlowFS(real.fs, {}))
+    s.requests.request_stop()  # what SIGTERM does
+    assert s.step_end(7, {"step": 7}) is True  # committed locally before it returns
+    s.close()  # returns without draining the upload
+    assert s.local.steps() == [7] and 7 not in RemoteTier(remote.url, remote.options).steps()
+    gate.set()
+    with store(tmp_path / "run", remote) as again:  # the next start resumes it
+        again.wait(uploads=True)
+        assert 7 in RemoteTier(remote.url, remote.options).steps()
