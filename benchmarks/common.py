@@ -73,12 +73,7 @@ def warm_memory(nbytes: int) -> None:
     gc.collect()
 
 
-def fsync_path(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+from tieredckpt.atomic import fsync_file as fsync_path  # noqa: E402
 
 
 def fsync_tree(path: str) -> None:

@@ -28,6 +28,14 @@ def fsync_dir(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
+def fsync_file(path: str | os.PathLike) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def write_all(fd: int, data) -> None:
     """``os.write`` until every byte of ``data`` is written (writes may be partial)."""
     view = memoryview(data).cast("B")

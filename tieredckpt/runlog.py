@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from . import layout
-from .atomic import atomic_write_bytes, commit_dir, make_scratch_dir
+from .atomic import atomic_write_bytes, commit_dir, fsync_file, make_scratch_dir
 
 LOSS = ".loss.json"
 SAMPLES = ".samples.json"
@@ -159,7 +159,7 @@ class RunLog:
                     shutil.copy2(self.root / name, scratch / name)
             (scratch / "pivot.json").write_text(json.dumps({"step": step, "note": note, "unix": time.time()}))
             for entry in scratch.iterdir():
-                _fsync_file(entry)
+                fsync_file(entry)
             commit_dir(scratch, dest)
         except BaseException:
             shutil.rmtree(scratch, ignore_errors=True)
@@ -220,12 +220,4 @@ def _last_byte(path: Path) -> bytes:
     with open(path, "rb") as f:
         f.seek(-1, os.SEEK_END)
         return f.read(1)
-
-
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from . import layout, tree
-from .atomic import commit_dir, make_scratch_dir, write_all
+from .atomic import commit_dir, fsync_file, make_scratch_dir, write_all
 from .checksum import file_digest
 from .errors import (CheckpointExistsError, CheckpointNotFoundError, ChecksumMismatchError,
                      ManifestError, MissingShardError, WorldSizeMismatchError)
@@ -171,7 +171,7 @@ def copy_checkpoint(src: str | os.PathLike, dst: str | os.PathLike) -> ShardMani
             target = tmp / entry.path
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(path, target)
-            _fsync(target)
+            fsync_file(target)
         verify_checkpoint_files(tmp, manifest)
         write_manifest(tmp, manifest)
         commit_dir(tmp, final)
@@ -189,11 +189,3 @@ def verify_checkpoint_files(dir: str | os.PathLike, manifest: ShardManifest, ful
             raise ChecksumMismatchError(f"{path}: crc32c {got.crc32c} does not match the manifest's {entry.crc32c} (corrupt)")
         if full and got.sha256 != entry.sha256:
             raise ChecksumMismatchError(f"{path}: sha256 {got.sha256} does not match the manifest's {entry.sha256} (corrupt)")
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
