@@ -6,6 +6,7 @@
     tieredckpt verify RUN_DIR [--step N] [--full]
     tieredckpt inspect RUN_DIR [--step N] [--json]
     tieredckpt convert SRC DST [--step N]     flat .bin <-> checkpoint
+    tieredckpt reshard RUN_DIR --world-size M [--step N] [--to NEW_RUN]
     tieredckpt plot RUN_DIR [-o PNG]          loss history with checkpoints and pivots
 
 User errors print one line naming the file and the reason (exit 1); no tracebacks.
@@ -79,6 +80,13 @@ def _parser() -> argparse.ArgumentParser:
     convert.add_argument("dst", help="a run directory, or the .bin file to write")
     convert.add_argument("--step", type=int, help="with a run directory as SRC: which step (default newest)")
     convert.set_defaults(func=cmd_convert)
+
+    reshard = sub.add_parser("reshard", help="re-split a ZeRO-style checkpoint for another world size")
+    reshard.add_argument("run_dir")
+    reshard.add_argument("--step", type=int, help="default: the newest")
+    reshard.add_argument("--world-size", type=int, required=True)
+    reshard.add_argument("--to", help="the new run directory (default: RUN_DIR-wsM)")
+    reshard.set_defaults(func=cmd_reshard)
 
     plot = sub.add_parser("plot", help="write a PNG of the loss history with checkpoints and pivots marked")
     plot.add_argument("run_dir")
@@ -297,6 +305,27 @@ def cmd_convert(args) -> int:
     else:
         print(f"tieredckpt: error: {src}: no such file or run directory", file=sys.stderr)
         return 1
+    return 0
+
+
+def cmd_reshard(args) -> int:
+    from .reshard import reshard
+    from .sharded import load_sharded, save_sharded
+    tier = LocalTier(args.run_dir, create=False)
+    path = tier.require(args.step)
+    manifest = tier.manifest(args.step)
+    if args.world_size < 1:
+        raise ValueError(f"--world-size must be >= 1, got {args.world_size}")
+    states = load_sharded(path, manifest.world_size, verify="sha256")
+    spans = [(s.param_shard_offset, s.param_shard_numel) for s in manifest.shards]
+    out, new_spans = reshard(states, spans, args.world_size)
+    dest = LocalTier(args.to or f"{str(tier.root).rstrip('/')}-ws{args.world_size}")
+    save_sharded(out, dest.step_path(manifest.step), manifest.step, wall_clock_seconds=manifest.wall_clock_seconds,
+                 param_shards=new_spans, user={**manifest.user, "resharded_from": {
+                     "run": str(tier.root.resolve()), "world_size": manifest.world_size}})
+    dest.update_latest()
+    print(f"resharded step {manifest.step}: {manifest.world_size} -> {args.world_size} ranks, "
+          f"{sum(n for _, n in new_spans):,} flat elements, written to {dest.step_path(manifest.step)}")
     return 0
 
 
