@@ -63,14 +63,40 @@ def test_ls_push_and_restore_on_a_fresh_machine(tmp_path, moto_server):
     assert out.returncode == 1 and "no uploaded checkpoint for step 9" in out.stderr and "Traceback" not in out.stderr
 
 
+class GatedFS:
+    """Passes every call to a real filesystem, but holds calls while the gate is closed.
+
+    moto keeps buckets in memory, so a restarted moto is empty; a real server comes
+    back with its buckets. The gate holds the uploader's retries while the test brings
+    the server back and recreates the bucket, so they meet the server a real outage
+    would end with."""
+
+    def __init__(self, inner) -> None:
+        import threading
+        self._inner = inner
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def __getattr__(self, name):
+        attr = getattr(self._inner, name)
+        if not callable(attr) or name.startswith("_"):
+            return attr
+
+        def gated(*args, **kwargs):
+            self.gate.wait(60)
+            return attr(*args, **kwargs)
+        return gated
+
+
 def test_server_stopped_mid_upload_nothing_visible_nothing_evicted_then_it_completes(tmp_path):
     server = MotoServer().start()
     try:
         server.make_bucket("outage")
         url = "s3://outage/run"
+        fs = GatedFS(RemoteTier(url, server.options()).fs)
         s = CheckpointStore(tmp_path / "run", url, remote_options=server.options(), keep_local=1,
                             max_pending_uploads=None, upload_part_size=256 << 10, upload_backoff=(0.2, 1.0),
-                            upload_retry_timeout=120)
+                            upload_retry_timeout=120, remote_fs=fs)
         s.save(1, state(1)).wait()
         s.wait(uploads=True)
         big = {"w": torch.randn(6_000_000), "step": 2}  # 24 MB: ~90 parts
@@ -85,9 +111,12 @@ def test_server_stopped_mid_upload_nothing_visible_nothing_evicted_then_it_compl
         time.sleep(1.0)
         assert s.uploader.status()[2]["state"] in ("retrying", "uploading")
         assert s.local.steps() == [2, 3]  # keep_local=1: 1 (uploaded) went; 2 and 3 (not uploaded) stay
-        server.start()  # back, on the same port (an empty server: the bucket comes back too)
+        fs.gate.clear()
+        time.sleep(1.0)  # calls already past the gate (in s3fs's own retry loop) fail against the dead port
+        server.start()  # back, on the same port
         server.make_bucket("outage")
         assert RemoteTier(url, server.options()).steps() == []  # nothing half-written is visible
+        fs.gate.set()
         s.wait(uploads=True, timeout=120)
         assert set(RemoteTier(url, server.options()).steps()) >= {2, 3}
         assert s.local.steps() == [3]  # once uploaded, rotation evicts

@@ -58,9 +58,7 @@ class LocalTier:
             return None
 
     def save(self, step: int, states: Sequence[Any], **kwargs) -> ShardManifest:
-        if not self._cleaned:  # a crashed writer's scratch goes on our first save
-            self.clean_stale()
-            self._cleaned = True
+        self.clean_stale_once()
         manifest = save_sharded(states, self.step_path(step), step, **kwargs)
         self.update_latest()
         return manifest
@@ -92,6 +90,12 @@ class LocalTier:
         for step in doomed:
             remove_dir(self.step_path(step))
         return doomed
+
+    def clean_stale_once(self) -> None:
+        """A crashed writer's scratch goes at our first save."""
+        if not self._cleaned:
+            self.clean_stale()
+            self._cleaned = True
 
     def clean_stale(self) -> list[str]:
         return clean_stale(self.root)

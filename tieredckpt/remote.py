@@ -45,7 +45,8 @@ from .codec import CODECS, decode, encode
 from .errors import CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError, ManifestError, TieredCkptError
 from .manifest import ShardManifest, check_relative_path
 from .memview import byte_view
-from .sharded import read_manifest, shard_paths, verify_checkpoint_files, write_manifest
+from .checksum import file_digest
+from .sharded import read_manifest, shard_path, verify_checkpoint_files, write_manifest
 
 UPLOAD_MANIFEST = "upload.json"
 RUN_PREFIX = "run"
@@ -239,18 +240,28 @@ class RemoteTier:
         """Send a committed local checkpoint; upload.json goes last. ``done`` carries parts
         already sent (by remote path) across retries so a retry resumes instead of restarting."""
         manifest = read_manifest(local_dir)
+        files = self.send_files(local_dir, manifest, manifest.shards, codec, level, done, progress)
+        return self.commit_upload(manifest, codec, files)
+
+    def send_files(self, local_dir: Path, manifest: ShardManifest, shards, codec: str, level: int = 1,
+                   done: dict | None = None, progress=None) -> list[UploadedFile]:
+        """Send the parts of ``shards`` (entries of ``manifest``) and confirm they all arrived."""
         step_dir = layout.step_dir_name(manifest.step)
         done = {} if done is None else done
-        files = []
-        for path, shard in zip(shard_paths(local_dir, manifest), manifest.shards):
-            files.append(UploadedFile(shard.path, shard.size,
-                                      self._upload_file(path, shard.path, shard.size, step_dir, codec, level,
-                                                        done, progress)))
+        files = [UploadedFile(shard.path, shard.size,
+                              self._upload_file(shard_path(local_dir, shard), shard.path, shard.size, step_dir,
+                                                codec, level, done, progress))
+                 for shard in shards]
         self._confirm_parts(step_dir, files, done)
+        return files
+
+    def commit_upload(self, manifest: ShardManifest, codec: str, files: list[UploadedFile]) -> UploadManifest:
+        """Write upload.json -- the commit marker -- once every file of every rank is sent."""
+        step_dir = layout.step_dir_name(manifest.step)
         upload = UploadManifest(manifest.step, codec, files, json.loads(manifest.to_json()), time.time())
         data = upload.to_json().encode()
         self.call(lambda: self.fs.pipe_file(self.path(step_dir, UPLOAD_MANIFEST), data),
-                  f"write {step_dir}/{UPLOAD_MANIFEST}")  # the commit marker, last
+                  f"write {step_dir}/{UPLOAD_MANIFEST}")
         return upload
 
     def _confirm_parts(self, step_dir: str, files: list[UploadedFile], done: dict) -> None:
@@ -338,22 +349,7 @@ class RemoteTier:
         dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = make_scratch_dir(dest)
         try:
-            jobs = []
-            fds = {}
-            for f in upload.files:
-                fd = os.open(tmp / f.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
-                fds[f.path] = fd
-                os.ftruncate(fd, f.size)
-                jobs += [(fd, part, upload.codec) for part in f.parts]
-            try:
-                with ThreadPoolExecutor(self.concurrency, thread_name_prefix="tieredckpt-download") as pool:
-                    for result in pool.map(lambda job: self._fetch_part(step, *job, progress), jobs):
-                        pass
-                for fd in fds.values():
-                    os.fsync(fd)
-            finally:
-                for fd in fds.values():
-                    os.close(fd)
+            self._fetch_files(step, upload, upload.files, tmp, progress)
             verify_checkpoint_files(tmp, manifest, full=verify == "sha256")
             write_manifest(tmp, manifest)  # last, as in a save
             commit_dir(tmp, dest)
@@ -361,6 +357,44 @@ class RemoteTier:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         return manifest
+
+    def download_shard(self, step: int, rank: int, root: Path) -> tuple[Path, ShardManifest]:
+        """Fetch one rank's shard into a new scratch dir under ``root``; verified (crc32c)."""
+        upload = self.upload_manifest(step)
+        manifest = upload.shard_manifest
+        if not 0 <= rank < manifest.world_size:
+            raise CheckpointNotFoundError(f"{self.where(layout.step_dir_name(step))}: has no rank {rank} "
+                                          f"(world_size {manifest.world_size})")
+        tmp = make_scratch_dir(root / layout.step_dir_name(step))
+        try:
+            self._fetch_files(step, upload, [upload.files[rank]], tmp, None)
+            entry = manifest.shards[rank]
+            got = file_digest(tmp / entry.path, sha256=False)
+            if got.crc32c != entry.crc32c:
+                raise CorruptCheckpointError(f"{self.where(layout.step_dir_name(step), entry.path)}: "
+                                             f"crc32c {got.crc32c} differs from the manifest's {entry.crc32c}")
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return tmp, manifest
+
+    def _fetch_files(self, step: int, upload: UploadManifest, files: list[UploadedFile], tmp: Path, progress) -> None:
+        """Fetch every part of ``files`` in parallel into new files under ``tmp``, fsynced."""
+        jobs, fds = [], []
+        try:
+            for f in files:
+                fd = os.open(tmp / f.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+                fds.append(fd)
+                os.ftruncate(fd, f.size)
+                jobs += [(fd, part, upload.codec) for part in f.parts]
+            with ThreadPoolExecutor(self.concurrency, thread_name_prefix="tieredckpt-download") as pool:
+                for _ in pool.map(lambda job: self._fetch_part(step, *job, progress), jobs):
+                    pass
+            for fd in fds:
+                os.fsync(fd)
+        finally:
+            for fd in fds:
+                os.close(fd)
 
     def _fetch_part(self, step: int, fd: int, part: PartEntry, codec: str, progress) -> None:
         rel = f"{layout.step_dir_name(step)}/{part.path}"

@@ -113,22 +113,36 @@ def read_manifest(dir: str | os.PathLike) -> ShardManifest:
 
 def shard_paths(dir: str | os.PathLike, manifest: ShardManifest) -> list[Path]:
     """Each shard's path, checked to exist, to match its recorded size, and to stay inside ``dir``."""
+    return [shard_path(dir, entry) for entry in manifest.shards]
+
+
+def shard_path(dir: str | os.PathLike, entry: ShardEntry) -> Path:
+    """One shard's path, checked to exist, to match its recorded size, and to stay inside ``dir``."""
     root = Path(dir).resolve()
-    paths = []
-    for entry in manifest.shards:
-        path = Path(dir) / entry.path
-        if not path.resolve().is_relative_to(root):
-            raise ManifestError(f"{path}: resolves outside the checkpoint directory {root} (symlink?)")
-        try:
-            size = path.stat().st_size
-        except FileNotFoundError:
-            raise MissingShardError(f"{path}: shard of rank {entry.rank} is missing") from None
-        if size != entry.size:
-            raise ChecksumMismatchError(
-                f"{path}: {size} bytes on disk but the manifest records {entry.size} "
-                f"({'truncated or partial write' if size < entry.size else 'file grew'})")
-        paths.append(path)
-    return paths
+    path = Path(dir) / entry.path
+    if not path.resolve().is_relative_to(root):
+        raise ManifestError(f"{path}: resolves outside the checkpoint directory {root} (symlink?)")
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        raise MissingShardError(f"{path}: shard of rank {entry.rank} is missing") from None
+    if size != entry.size:
+        raise ChecksumMismatchError(
+            f"{path}: {size} bytes on disk but the manifest records {entry.size} "
+            f"({'truncated or partial write' if size < entry.size else 'file grew'})")
+    return path
+
+
+def load_rank(dir: str | os.PathLike, rank: int, expected_world_size: int, verify: str = "crc") -> Any:
+    """One rank's state (on a node that holds only its own ranks' shards), verified."""
+    manifest = read_manifest(dir)
+    if manifest.world_size != expected_world_size:
+        raise WorldSizeMismatchError(
+            f"{Path(dir) / layout.MANIFEST}: written by world_size {manifest.world_size}, "
+            f"loading with {expected_world_size} (pass reshard=True to restore to reshard it)")
+    entry = manifest.shards[rank]
+    return read_shard(shard_path(dir, entry), size=entry.size, crc32c=entry.crc32c, sha256=entry.sha256,
+                      verify=verify)
 
 
 def load_sharded(dir: str | os.PathLike, expected_world_size: int, verify: str = "crc") -> list[Any]:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import threading
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -37,7 +38,7 @@ from typing import Any, Callable
 
 import torch
 
-from .atomic import remove_dir
+from .atomic import commit_dir, fsync_dir, remove_dir
 from .codec import CODECS
 from .errors import (BackgroundSaveError, CheckpointExistsError, CheckpointNotFoundError,
                      CorruptCheckpointError, IncompatibleStateError)
@@ -45,7 +46,11 @@ from .local import LocalTier
 from .manifest import ShardManifest
 from .remote import PART_SIZE, RemoteTier
 from .retention import Policy
+from .ranks import DistributedCommitError, RankGroup, commit_rank, node_key
 from .runlog import SIDE_FILES, RunLog, fork_run
+from .reshard import reshard as reshard_states
+from .shardfile import read_shard
+from .sharded import load_rank, shard_path, write_manifest
 from .signals import Requests, handle_signals
 from .staging import Stager
 from .uploader import Uploader
@@ -91,10 +96,13 @@ class CheckpointStore(AbstractContextManager):
                  compression_level: int = 1, max_pending_uploads: int | None = 2,
                  upload_retry_timeout: float | None = 900.0, upload_backoff: tuple[float, float] = (0.5, 30.0),
                  upload_part_size: int = PART_SIZE, close_timeout: float | None = 600.0,
-                 remote_fs=None) -> None:
+                 remote_fs=None, distributed: bool | None = None) -> None:
         """``local``: the run directory. ``remote``: any fsspec URL (s3://bucket/prefix,
         file:///mnt/nas/run, memory://...), with ``remote_options`` passed to fsspec/s3fs.
-        ``compression``: "zstd-planes" (float-aware, default), "zstd" or None for uploads."""
+        ``compression``: "zstd-planes" (float-aware, default), "zstd" or None for uploads.
+        ``distributed``: one shard per rank of the torch.distributed world (default: when
+        a process group of more than one rank is initialized); every rank must create
+        its store at the same point."""
         codec = compression or "raw"
         if codec not in CODECS:
             raise ValueError(f"compression must be one of {CODECS[1:]} or None, got {compression!r}")
@@ -103,7 +111,16 @@ class CheckpointStore(AbstractContextManager):
         if type(every) is not int or every < 0:
             raise ValueError(f"every must be an int >= 0 (0: only on request), got {every!r}")
         self.local = LocalTier(local)
-        self.run = RunLog(local)
+        self.run = RunLog(local)  # side files: written by rank 0 only
+        # One checkpoint group per thread that issues collectives, so they never interleave:
+        # the caller's (step-boundary flags, restore), the writer's (commits), the uploader's.
+        self.ranks = RankGroup() if (RankGroup.active() if distributed is None else distributed) else None
+        self._commit_ranks = RankGroup() if self.ranks is not None else None
+        self.rank = self.ranks.rank if self.ranks else 0
+        self._node_leader = True
+        if self.ranks is not None:  # the lowest rank sharing this directory rotates it
+            nodes = self.ranks.all_gather_json(node_key(self.local.root))
+            self._node_leader = nodes.index(nodes[self.rank]) == self.rank
         self.keep_local = keep_local
         self.every = every
         self.verify = verify
@@ -120,7 +137,8 @@ class CheckpointStore(AbstractContextManager):
             self.uploader = Uploader(self.local, self.remote, codec=codec, level=compression_level,
                                      max_pending=max_pending_uploads, retry_timeout=upload_retry_timeout,
                                      backoff=upload_backoff,
-                                     keep_remote=keep_remote, on_uploaded=lambda step: self._rotate())
+                                     keep_remote=keep_remote, on_uploaded=lambda step: self._rotate(),
+                                     ranks=RankGroup() if self.ranks is not None else None)
 
     @classmethod
     def from_config(cls, config, section: str = "checkpoint", **overrides) -> "CheckpointStore":
@@ -135,8 +153,13 @@ class CheckpointStore(AbstractContextManager):
 
     # ---- saving -----------------------------------------------------------------------
 
-    def save(self, step: int, state: Any, *, user: dict | None = None) -> SaveHandle:
-        """Snapshot ``state`` and write it in the background; returns at once after the copy."""
+    def save(self, step: int, state: Any, *, user: dict | None = None,
+             param_span: tuple[int, int] | None = None) -> SaveHandle:
+        """Snapshot ``state`` and write it in the background; returns at once after the copy.
+
+        With many ranks every rank calls it for the same step with its own shard;
+        ``param_span`` = (offset, numel) of this rank's slice of the flat parameter
+        space (default: shards laid end to end in rank order)."""
         self._check_open()
         self._finish_pending()  # back-pressure, and the previous failure surfaces here
         if self.uploader is not None:
@@ -145,15 +168,22 @@ class CheckpointStore(AbstractContextManager):
             raise CheckpointExistsError(f"{self.local.step_path(step)}: step {step} is already committed")
         self.requests.clear_save()  # a signal from now on asks for another save
         staged = self._stager.stage(state)
-        future = self._writer.submit(self._write, step, staged, user)
+        future = self._writer.submit(self._write, step, staged, user, param_span)
         self._pending = SaveHandle(step, future)
         return self._pending
 
-    def _write(self, step: int, staged, user) -> ShardManifest:
+    def _write(self, step: int, staged, user, param_span) -> ShardManifest:
         # Runs on the writer thread. Order: loss history durable up to this step ->
-        # checkpoint committed atomically -> latest moved -> old steps rotated out.
+        # checkpoint committed atomically (on every rank: ranks.commit_rank) ->
+        # latest moved -> queued for upload -> old steps rotated out.
         self.run.sync()
-        manifest = self.local.save(step, [staged], user=user)
+        if self.ranks is None:
+            manifest = self.local.save(step, [staged], user=user)
+        else:
+            self.local.clean_stale_once()
+            manifest = commit_rank(self.local.root, step, staged, self._commit_ranks, param_span=param_span, user=user)
+            if self._node_leader:
+                self.local.update_latest()
         if self.uploader is not None:
             self.uploader.enqueue(step)
         self._rotate()
@@ -161,6 +191,8 @@ class CheckpointStore(AbstractContextManager):
 
     def _rotate(self) -> None:
         """Keep the last ``keep_local`` steps, never evicting one the remote does not hold yet."""
+        if not self._node_leader:
+            return
         with self._rotate_lock:
             protected = set()
             if self.uploader is not None:
@@ -174,23 +206,30 @@ class CheckpointStore(AbstractContextManager):
     def should_stop(self) -> bool:
         return self.requests.stop_requested()
 
-    def step_end(self, step: int, state: Any | Callable[[], Any]) -> bool:
+    def step_end(self, step: int, state: Any | Callable[[], Any], *,
+                 param_span: tuple[int, int] | None = None) -> bool:
         """The step boundary: save if due (``state`` may be a callable), return True to stop.
 
         On a stop request the checkpoint is committed before this returns.
         """
-        if self.should_save(step):
-            handle = self.save(step, state() if callable(state) else state)
-            if self.should_stop():
+        save_now, stop = self.should_save(step), self.should_stop()
+        if self.ranks is not None:  # a signal to any one rank: every rank saves this step
+            save_now, stop = self.ranks.any([save_now, stop])
+            if stop:
+                self.requests.request_stop()
+        if save_now:
+            handle = self.save(step, state() if callable(state) else state, param_span=param_span)
+            if stop:
                 handle.wait()
-        return self.should_stop()
+        return stop
 
     def handle_signals(self):
         """Context manager: SIGTERM -> save and stop, SIGUSR1 -> save and go on."""
         return handle_signals(self.requests)
 
     def log_loss(self, step: int, loss: float, **extra: Any) -> None:
-        self.run.append_loss(step, loss, **extra)
+        if self.rank == 0:
+            self.run.append_loss(step, loss, **extra)
 
     # ---- waiting --------------------------------------------------------------------
 
@@ -244,7 +283,7 @@ class CheckpointStore(AbstractContextManager):
     # ---- restoring ------------------------------------------------------------------
 
     def restore(self, step: int | None = None, *, into: dict | None = None,
-                mark_resume: bool = True) -> Any:
+                mark_resume: bool = True, reshard: bool = False) -> Any:
         """The newest (or the named) committed checkpoint's state, verified.
 
         Returns None when the run has no checkpoint yet and no step was named.
@@ -252,25 +291,121 @@ class CheckpointStore(AbstractContextManager):
         an optimizer...), which are loaded from the matching saved entries; every
         key is checked before any object is touched. ``mark_resume`` records the
         resume in the loss history so replayed steps can be told apart.
+        ``reshard``: a checkpoint written by another number of ranks is re-split
+        for this world (ZeRO-style "flat" state, see tieredckpt.reshard); without
+        it a world-size change is refused.
         """
         self._check_open()
         self._finish_pending()
         local_steps = self.local.steps()
         remote_steps = self.remote.steps() if self.remote is not None else []
+        candidates = sorted(set(local_steps) | set(remote_steps))
+        if self.ranks is not None:  # only a step that every rank can restore
+            every = self.ranks.all_gather_json(candidates)
+            candidates = sorted(set.intersection(*map(set, every)))
+            if step is None and not candidates and any(every):
+                raise CheckpointNotFoundError(f"no step is available to every rank (per rank: "
+                                              f"{[c[-3:] for c in every]}); restore a named step or repair")
         if step is None:
-            candidates = sorted(set(local_steps) | set(remote_steps))
             if not candidates:
                 return None
             step = candidates[-1]
-        if self.remote is not None and not any((self.local.root / n).exists() for n in SIDE_FILES):
+        if self.rank == 0 and self.remote is not None and not any((self.local.root / n).exists() for n in SIDE_FILES):
             self.run.close()  # a fresh machine: bring the run's history back too
             self.remote.get_side_files(self.local.root)
-        state = self._load(step, local_steps, remote_steps)
+        world = self.ranks.world_size if self.ranks else 1
+        if reshard and self._saved_manifest(step, local_steps).world_size != world:
+            state = self._load_resharded(step, local_steps)
+            if self.ranks is not None:
+                state = self._agree(lambda: state, f"resharding step {step}")
+        elif self.ranks is None:
+            state = self._load(step, local_steps, remote_steps)
+        else:
+            state = self._agree(lambda: self._load_rank(step, local_steps, remote_steps), f"restoring step {step}")
         if into:
             _load_into(state, into, self.local.require(step))
-        if mark_resume:
+        if mark_resume and self.rank == 0:
             self.run.mark_resume(step)
         return state
+
+    def _saved_manifest(self, step: int, local_steps: list[int]) -> ShardManifest:
+        if step in local_steps:
+            return self.local.manifest(step)
+        if self.remote is None:
+            raise CheckpointNotFoundError(f"step {step}: not in {self.local.root}")
+        return self.remote.upload_manifest(step).shard_manifest
+
+    def _load_resharded(self, step: int, local_steps: list[int]) -> Any:
+        """Every source shard (local, or fetched from the remote), re-split; this rank's part."""
+        manifest = self._saved_manifest(step, local_steps)
+        path = self.local.step_path(step)
+        states = []
+        for entry in manifest.shards:
+            try:
+                states.append(read_shard(shard_path(path, entry), size=entry.size, crc32c=entry.crc32c,
+                                         sha256=entry.sha256, verify=self.verify))
+            except (CorruptCheckpointError, FileNotFoundError):
+                if self.remote is None:
+                    raise
+                scratch, _ = self.remote.download_shard(step, entry.rank, self.local.root)
+                try:  # the mapping outlives the scratch file
+                    states.append(read_shard(scratch / entry.path, size=entry.size, crc32c=entry.crc32c,
+                                             verify=self.verify))
+                finally:
+                    shutil.rmtree(scratch, ignore_errors=True)
+        spans = [(e.param_shard_offset, e.param_shard_numel) for e in manifest.shards]
+        world = self.ranks.world_size if self.ranks else 1
+        log.info("resharding step %d from %d to %d ranks", step, manifest.world_size, world)
+        return reshard_states(states, spans, world)[0][self.rank]
+
+    def _agree(self, fn: Callable[[], Any], what: str) -> Any:
+        """Run ``fn`` on every rank; if it fails anywhere, raise everywhere (no rank goes on alone)."""
+        result, error = None, None
+        try:
+            result = fn()
+        except Exception as exc:  # noqa: BLE001 - reported to every rank
+            error = exc
+        outcomes = self.ranks.all_gather_json(f"{type(error).__name__}: {error}" if error else None)
+        if error is not None:
+            raise error
+        failed = [(r, o) for r, o in enumerate(outcomes) if o]
+        if failed:
+            raise DistributedCommitError(f"{what}: rank {failed[0][0]} failed ({failed[0][1]})")
+        return result
+
+    def _load_rank(self, step: int, local_steps: list[int], remote_steps: list[int]) -> Any:
+        """This rank's shard: local if present and it verifies, else fetched alone from the remote."""
+        path = self.local.step_path(step)
+        if step in local_steps:
+            try:
+                return load_rank(path, self.rank, self.ranks.world_size, self.verify)
+            except CorruptCheckpointError as exc:
+                if step not in remote_steps:
+                    raise
+                message = f"{exc}; fetching rank {self.rank}'s shard of step {step} from the remote"
+                log.warning(message)
+                warnings.warn(message, RuntimeWarning, stacklevel=3)
+        elif step not in remote_steps:
+            raise CheckpointNotFoundError(f"step {step}: not in {self.local.root} nor on the remote")
+        scratch, manifest = self.remote.download_shard(step, self.rank, self.local.root)
+        name = manifest.shards[self.rank].path
+        try:
+            if not path.exists():
+                write_manifest(scratch, manifest)
+                try:
+                    commit_dir(scratch, path)  # this node had nothing for the step yet
+                    scratch = None
+                except FileExistsError:
+                    pass  # another rank of this node committed it meanwhile
+            if scratch is not None:  # replace the missing/corrupt file, atomically
+                os.replace(scratch / name, path / name)
+                fsync_dir(path)
+        finally:
+            if scratch is not None:
+                shutil.rmtree(scratch, ignore_errors=True)
+        if self._node_leader:
+            self.local.update_latest()
+        return load_rank(path, self.rank, self.ranks.world_size, self.verify)
 
     def _load(self, step: int, local_steps: list[int], remote_steps: list[int]) -> Any:
         """The local copy if present and it verifies; else the remote copy, downloaded first."""

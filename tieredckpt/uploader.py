@@ -2,7 +2,9 @@
 
 For each step, in order: side files -> parts -> upload.json -> remote latest ->
 remote retention -> ``on_uploaded`` (the store then lets local rotation evict
-it). What is uploaded is read from the remote (upload manifests) at start, so a
+it). With many ranks, every rank sends its own shard in parallel; they then
+exchange what each sent (on a process group of the uploader's own), and rank 0
+writes upload.json only if every rank succeeded. What is uploaded is read from the remote (upload manifests) at start, so a
 restart re-queues every local step without one; half-uploaded remote steps that
 no local step will finish are deleted.
 
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import asdict
 import threading
 import time
 from collections import deque
@@ -30,7 +33,7 @@ from typing import Callable
 from .atomic import atomic_write_bytes
 from .errors import TieredCkptError
 from .local import LocalTier
-from .remote import RemoteError, RemoteTier
+from .remote import PartEntry, RemoteError, RemoteTier, UploadedFile
 from .retention import Policy, plan_eviction
 
 log = logging.getLogger("tieredckpt")
@@ -46,13 +49,14 @@ class Uploader:
                  max_pending: int | None = 2, retry_timeout: float | None = 900.0,
                  backoff: tuple[float, float] = (0.5, 30.0), keep_remote: Policy | None = None,
                  on_uploaded: Callable[[int], None] | None = None,
-                 progress: Callable[[int], None] | None = None) -> None:
+                 progress: Callable[[int], None] | None = None, ranks=None) -> None:
         self.local, self.remote = local, remote
         self.codec, self.level = codec, level
         self.max_pending, self.retry_timeout, self.backoff = max_pending, retry_timeout, backoff
         self.keep_remote = keep_remote
         self.on_uploaded = on_uploaded
         self.progress = progress
+        self.ranks = ranks  # a RankGroup of its own: uploads exchange results on it
         self._cond = threading.Condition()
         self._queue: deque[int] = deque()
         self._current: int | None = None
@@ -68,7 +72,7 @@ class Uploader:
 
     def _resume_pending(self) -> None:
         local_steps = self.local.steps()
-        for step in self.remote.uncommitted():
+        for step in (self.remote.uncommitted() if self.ranks is None or self.ranks.rank == 0 else []):
             if step not in local_steps:  # nobody will finish it: garbage
                 log.info("removing half-uploaded %s", self.remote.where(f"step {step}"))
                 self.remote.delete(step)
@@ -149,14 +153,65 @@ class Uploader:
                     self._cond.notify_all()
 
     def _upload_with_retries(self, step: int) -> None:
+        """Send (with retries), then commit. With many ranks every rank sends its own shard,
+        they exchange what they sent, and rank 0 writes upload.json only if all succeeded."""
+        error, files = None, None
+        try:
+            files = self._retrying(step, lambda done: self._send(step, done))
+        except BaseException as exc:  # noqa: BLE001 - with ranks, still join the exchange
+            if self.ranks is None:
+                raise
+            error = exc
+        if self.ranks is not None:
+            files = self._exchange(step, files, error)
+        if files is None:
+            return  # nothing local to send
+        outcome = None
+        if self.ranks is None or self.ranks.rank == 0:
+            try:
+                self._retrying(step, lambda done: self._commit(step, files))
+            except Exception as exc:  # noqa: BLE001
+                if self.ranks is None:
+                    raise
+                outcome = str(exc)
+        if self.ranks is not None:
+            failed = [o for o in self.ranks.all_gather_json(outcome) if o]
+            if failed:
+                raise RemoteError(f"step {step}: committing the upload failed on rank 0: {failed[0]}", transient=False)
+        with self._cond:
+            self.uploaded.add(step)
+        if self.ranks is None or self.ranks.rank == 0:
+            self._apply_remote_retention()
+        self._set(step, "uploaded")
+        if self.on_uploaded:
+            self.on_uploaded(step)
+
+    def _exchange(self, step: int, files, error):
+        results = self.ranks.all_gather_json(
+            {"ok": error is None, "error": str(error) if error else None,
+             "files": [asdict(f) for f in files] if files else []})
+        if error is not None:
+            raise error
+        failed = [(r, res["error"]) for r, res in enumerate(results) if not res["ok"]]
+        if failed:
+            raise RemoteError(f"step {step}: rank {failed[0][0]} could not upload its shard ({failed[0][1]})",
+                              transient=False)
+        return [UploadedFile(f["path"], f["size"], [PartEntry(**p) for p in f["parts"]])
+                for res in results for f in res["files"]]
+
+    def _commit(self, step: int, files) -> None:
+        self.remote.commit_upload(self.local.manifest(step), self.codec, files)  # the commit marker
+        self.remote.write_latest(max(self.uploaded | {step}))
+
+    def _retrying(self, step: int, attempt_fn):
+        """``attempt_fn(done)`` until it succeeds, retrying transient RemoteErrors with backoff."""
         deadline = None if self.retry_timeout is None else time.monotonic() + self.retry_timeout
         done: dict = {}  # parts already sent: a retry resumes after them
         attempt = 0
         while True:
             self._set(step, "uploading" if attempt == 0 else "retrying")
             try:
-                self._upload(step, done)
-                return
+                return attempt_fn(done)
             except RemoteError as exc:
                 late = deadline is not None and time.monotonic() >= deadline
                 if not exc.transient or late or self._stop.is_set():
@@ -168,18 +223,15 @@ class Uploader:
                 if self._stop.wait(delay):
                     raise
 
-    def _upload(self, step: int, done: dict) -> None:
+    def _send(self, step: int, done: dict):
         if step not in self.local.steps():
-            return  # deleted locally meanwhile (nothing to send)
-        self.remote.put_side_files(self.local.root)
-        self.remote.upload(self.local.step_path(step), self.codec, self.level, done=done, progress=self.progress)
-        with self._cond:
-            self.uploaded.add(step)
-        self.remote.write_latest(max(self.uploaded))
-        self._apply_remote_retention()
-        self._set(step, "uploaded")
-        if self.on_uploaded:
-            self.on_uploaded(step)
+            return None  # deleted locally meanwhile (nothing to send)
+        manifest = self.local.manifest(step)
+        mine = manifest.shards if self.ranks is None else [manifest.shards[self.ranks.rank]]
+        if self.ranks is None or self.ranks.rank == 0:
+            self.remote.put_side_files(self.local.root)
+        return self.remote.send_files(self.local.step_path(step), manifest, mine, self.codec, self.level,
+                                      done=done, progress=self.progress)
 
     def _apply_remote_retention(self) -> None:
         if self.keep_remote is None:
