@@ -68,6 +68,13 @@ def test_every_rank_saves_its_shard_and_restores_it_byte_equal(tmp_path, world, 
         assert [s["owner"] for s in states] == list(range(world))
     else:  # each node holds its own ranks' shards and the global manifest
         assert sorted(p.name for p in (tmp_path / "node1" / "step_000003").iterdir()) == ["manifest.json", "rank1.bin"]
+        cli = [sys.executable, "-m", "tieredckpt.cli"]
+        ls = subprocess.run([*cli, "ls", str(tmp_path / "node1")], capture_output=True, text=True)
+        assert ls.returncode == 0 and f"ranks [1] of {world} on this node" in ls.stdout
+        strict = subprocess.run([*cli, "verify", str(tmp_path / "node1")], capture_output=True, text=True)
+        assert strict.returncode == 1 and "rank0.bin: shard of rank 0 is missing" in strict.stdout
+        node = subprocess.run([*cli, "verify", str(tmp_path / "node1"), "--node-local"], capture_output=True, text=True)
+        assert node.returncode == 0 and "step 3: ok (ranks [1]" in node.stdout
 
 
 def test_a_rank_killed_mid_save_leaves_no_commit_anywhere(tmp_path):

@@ -27,6 +27,7 @@ from . import layout
 from .errors import TieredCkptError
 from .local import LocalTier
 from .shardfile import read_header
+from .sharded import verify_present
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -67,6 +68,8 @@ def _parser() -> argparse.ArgumentParser:
     verify.add_argument("run_dir")
     verify.add_argument("--step", type=int, help="only this step (default: every checkpoint)")
     verify.add_argument("--full", action="store_true", help="also check sha256 (slower than crc32c)")
+    verify.add_argument("--node-local", action="store_true",
+                        help="a node-local directory: other nodes' shards are expected to be absent")
     verify.set_defaults(func=cmd_verify)
 
     inspect = sub.add_parser("inspect", help="show a checkpoint's manifest and tensor index")
@@ -153,8 +156,10 @@ def cmd_ls(args) -> int:
         where = "+".join(name for name, has in (("local", step in local_steps), ("remote", step in remote_steps)) if has)
         try:
             if step in local_steps:
-                manifest = tier.verify(step) if not args.no_verify else tier.manifest(step)
                 status = "unchecked" if args.no_verify else "ok (crc32c)"
+                manifest, here = (tier.manifest(step), None) if args.no_verify else verify_present(tier.step_path(step))
+                if here is not None and len(here) < manifest.world_size:
+                    status += f"; ranks {_ranks(here)} of {manifest.world_size} on this node"
             else:
                 manifest = remote.upload_manifest(step).shard_manifest
                 status = "remote only"
@@ -258,6 +263,10 @@ def cmd_verify(args) -> int:
     failed = 0
     for step in steps:
         try:
+            if args.node_local:
+                manifest, here = verify_present(tier.require(step), full=args.full)
+                print(f"step {step}: ok (ranks {_ranks(here)} of {manifest.world_size} here, {kind})")
+                continue
             manifest = tier.verify(step, full=args.full)
             print(f"step {step}: ok ({len(manifest.shards)} shards, {_size(manifest.total_size)}, {kind})")
         except TieredCkptError as exc:
@@ -333,6 +342,10 @@ def cmd_plot(args) -> int:
     from .plot import plot_run
     print(f"wrote {plot_run(args.run_dir, args.out)}")
     return 0
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"{ranks[0]}-{ranks[-1]}" if len(ranks) > 3 and ranks == list(range(ranks[0], ranks[-1] + 1)) else str(ranks)
 
 
 def _size(n: int) -> str:

@@ -195,9 +195,25 @@ def copy_checkpoint(src: str | os.PathLike, dst: str | os.PathLike) -> ShardMani
     return manifest
 
 
-def verify_checkpoint_files(dir: str | os.PathLike, manifest: ShardManifest, full: bool = False) -> None:
+def verify_present(dir: str | os.PathLike, full: bool = False) -> tuple[ShardManifest, list[int]]:
+    """Verify the shards this directory holds; return the manifest and their ranks.
+
+    On node-local disks a node's step directory holds only its own ranks' shards
+    (plus the global manifest): absent shards are reported, present ones checked.
+    """
+    manifest = read_manifest(dir)
+    here = [e for e in manifest.shards if (Path(dir) / e.path).exists()]
+    verify_checkpoint_files(dir, ShardManifest(manifest.world_size, manifest.step, manifest.wall_clock_seconds,
+                                               here, manifest.schema_version, manifest.created_unix,
+                                               manifest.user), full, entries=here)
+    return manifest, [e.rank for e in here]
+
+
+def verify_checkpoint_files(dir: str | os.PathLike, manifest: ShardManifest, full: bool = False,
+                            entries=None) -> None:
     """Check the shards in ``dir`` against ``manifest`` (sizes, crc32c, and sha256 if ``full``)."""
-    for path, entry in zip(shard_paths(dir, manifest), manifest.shards):
+    entries = manifest.shards if entries is None else entries
+    for path, entry in zip([shard_path(dir, e) for e in entries], entries):
         got = file_digest(path, sha256=full)
         if got.crc32c != entry.crc32c:
             raise ChecksumMismatchError(f"{path}: crc32c {got.crc32c} does not match the manifest's {entry.crc32c} (corrupt)")
