@@ -8,7 +8,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from conftest import flip_byte, trained
 from tieredckpt import LocalTier

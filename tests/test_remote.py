@@ -69,7 +69,7 @@ def test_upload_manifest_is_the_commit_marker_and_partial_uploads_stay_invisible
     r = RemoteTier(remote.url, remote.options)
     assert r.steps() == [1]
     assert r.uncommitted() == [2]  # data is there, but without upload.json it does not exist
-    with store(tmp_path / "elsewhere", remote, max_pending_uploads=None) as other:
+    with store(tmp_path / "elsewhere", remote, max_pending_uploads=None):
         pass  # a machine without step 2 locally cleans the garbage up
     assert RemoteTier(remote.url, remote.options).uncommitted() == []
     fresh = CheckpointStore(tmp_path / "reader", remote.url, remote_options=remote.options)

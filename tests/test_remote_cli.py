@@ -8,7 +8,6 @@ import subprocess
 import sys
 import time
 
-import pytest
 import torch
 
 from s3server import CREDS, MotoServer

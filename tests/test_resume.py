@@ -66,7 +66,7 @@ def test_sigterm_saves_the_current_step_exits_0_and_resume_is_bit_identical(tmp_
     assert f"checkpoint for step {stopped_at} committed" in out
     assert 37 <= stopped_at < STEPS
     out = finish(start(tmp_path))
-    assert f"resumed from" in out and f"(step {stopped_at})" in out
+    assert "resumed from" in out and f"(step {stopped_at})" in out
     assert first_difference(straight, final(tmp_path)) is None
     assert RunLog(tmp_path).read_loss().replayed() == []  # nothing was lost, nothing redone
 

@@ -32,7 +32,6 @@ import shutil
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -40,18 +39,18 @@ import fsspec
 
 from . import layout
 from .atomic import atomic_write_bytes, commit_dir, make_scratch_dir
-from .checksum import crc32c_update, crc_hex, map_file
-from .codec import CODECS, decode, encode
-from .errors import CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError, ManifestError, TieredCkptError
+from .checksum import crc32c_update, crc_hex, file_digest, map_file
+from .codec import decode, encode
+from .credentials import redact_url, scrub, secret_values, url_secrets
+from .errors import CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError, TieredCkptError
 from .manifest import ShardManifest, check_relative_path
 from .memview import byte_view
-from .checksum import file_digest
 from .sharded import read_manifest, shard_path, verify_checkpoint_files, write_manifest
+from .uploadmanifest import PartEntry, UploadedFile, UploadManifest
 
 UPLOAD_MANIFEST = "upload.json"
 RUN_PREFIX = "run"
 PART_SIZE = 64 << 20
-UPLOAD_SCHEMA = 1
 SIDE_NAMES = (".loss.json", ".samples.json", ".state.json", "provenance.json")
 
 
@@ -70,98 +69,12 @@ class RemoteNotFoundError(RemoteError, FileNotFoundError):
         super().__init__(message, transient=False)
 
 
-@dataclass(frozen=True)
-class PartEntry:
-    path: str
-    offset: int
-    raw_size: int
-    stored_size: int
-    raw_crc32c: str
-    stored_crc32c: str
-
-
-@dataclass(frozen=True)
-class UploadedFile:
-    path: str
-    size: int
-    parts: list[PartEntry]
-
-
-@dataclass(frozen=True)
-class UploadManifest:
-    step: int
-    codec: str
-    files: list[UploadedFile]
-    checkpoint: dict  # the local manifest.json, embedded
-    uploaded_unix: float
-    schema_version: int = UPLOAD_SCHEMA
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=1)
-
-    @property
-    def stored_size(self) -> int:
-        return sum(p.stored_size for f in self.files for p in f.parts)
-
-    @classmethod
-    def from_json(cls, text: str | bytes, source: str) -> "UploadManifest":
-        """Parse and validate an untrusted upload manifest."""
-        try:
-            raw = json.loads(text)
-        except (ValueError, RecursionError) as exc:
-            raise ManifestError(f"{source}: not valid JSON ({exc})") from None
-        if not isinstance(raw, dict) or raw.get("schema_version") != UPLOAD_SCHEMA:
-            raise ManifestError(f"{source}: not an upload manifest of schema_version {UPLOAD_SCHEMA}")
-        if raw.get("codec") not in CODECS:
-            raise ManifestError(f"{source}: unknown codec {raw.get('codec')!r}")
-        checkpoint = ShardManifest.from_json(json.dumps(raw.get("checkpoint")), f"{source} (checkpoint)")
-        files = raw.get("files")
-        if not isinstance(files, list) or len(files) != len(checkpoint.shards):
-            raise ManifestError(f"{source}: 'files' must list one entry per shard")
-        parsed = [_uploaded_file(f, shard, f"{source}: files[{i}]")
-                  for i, (f, shard) in enumerate(zip(files, checkpoint.shards))]
-        step = raw.get("step")
-        if step != checkpoint.step:
-            raise ManifestError(f"{source}: step {step!r} differs from its checkpoint's {checkpoint.step}")
-        uploaded = raw.get("uploaded_unix")
-        if type(uploaded) not in (int, float):
-            raise ManifestError(f"{source}: uploaded_unix must be a number")
-        return cls(step, raw["codec"], parsed, raw["checkpoint"], float(uploaded))
-
-    @property
-    def shard_manifest(self) -> ShardManifest:
-        return ShardManifest.from_json(json.dumps(self.checkpoint), "upload manifest")
-
-
-def _uploaded_file(raw, shard, where) -> UploadedFile:
-    if not isinstance(raw, dict) or raw.get("path") != shard.path or raw.get("size") != shard.size:
-        raise ManifestError(f"{where}: does not match shard {shard.path!r} of {shard.size} bytes")
-    parts_raw = raw.get("parts")
-    if not isinstance(parts_raw, list) or not parts_raw:
-        raise ManifestError(f"{where}: 'parts' must be a non-empty list")
-    parts, offset = [], 0
-    for j, p in enumerate(parts_raw):
-        if not isinstance(p, dict):
-            raise ManifestError(f"{where}: parts[{j}] is not an object")
-        ints = [p.get(k) for k in ("offset", "raw_size", "stored_size")]
-        if not all(type(v) is int and 0 <= v < 2**63 for v in ints) or p["offset"] != offset:
-            raise ManifestError(f"{where}: parts[{j}] offsets/sizes are invalid or not contiguous")
-        crcs = [p.get("raw_crc32c"), p.get("stored_crc32c")]
-        if not all(isinstance(c, str) and re.fullmatch(r"[0-9a-f]{8}", c) for c in crcs):
-            raise ManifestError(f"{where}: parts[{j}] checksums are not 8 hex digits")
-        parts.append(PartEntry(check_relative_path(p.get("path"), where), *ints, *crcs))
-        offset += p["raw_size"]
-    if offset != shard.size:
-        raise ManifestError(f"{where}: parts cover {offset} bytes of {shard.size}")
-    return UploadedFile(shard.path, shard.size, parts)
-
-
 class RemoteTier:
     def __init__(self, url: str, options: dict | None = None, *, fs: fsspec.AbstractFileSystem | None = None,
                  part_size: int = PART_SIZE, concurrency: int = 4) -> None:
         self.options = dict(options or {})
         self.display_url = redact_url(url)
-        self._secrets = secret_values(self.options) + secret_values(dict(os.environ), env=True) + _url_secrets(url)
+        self._secrets = secret_values(self.options) + secret_values(dict(os.environ), env=True) + url_secrets(url)
         if fs is None:
             options = dict(self.options)
             if fsspec.core.split_protocol(url)[0] in (None, "file", "local"):
@@ -475,9 +388,7 @@ class RemoteTier:
             raise RemoteError(message, transient=is_transient(exc)) from None
 
     def scrub(self, text: str) -> str:
-        for secret in self._secrets:
-            text = text.replace(secret, "***")
-        return text
+        return scrub(text, self._secrets)
 
 
 def is_transient(exc: BaseException) -> bool:
@@ -501,29 +412,3 @@ def side_files(run_dir: Path) -> list[str]:
         names += sorted(str(p.relative_to(run_dir)) for p in archive.rglob("*")
                         if p.is_file() and layout.scratch_owner_pid(p.parent.name) is None)
     return names
-
-
-def redact_url(url: str) -> str:
-    """The URL without any user:password@ part."""
-    return re.sub(r"^([a-zA-Z0-9+.-]+://)[^/@]*@", r"\1***@", url)
-
-
-_SECRET_KEY = re.compile(r"(key|secret|token|password|passwd|credential)", re.IGNORECASE)
-
-
-def secret_values(options: dict, env: bool = False) -> list[str]:
-    """String values that look like credentials, from options (recursively) or AWS_* variables."""
-    found = []
-    for key, value in options.items():
-        if env and not str(key).startswith(("AWS_", "TIEREDCKPT_")):
-            continue
-        if isinstance(value, dict):
-            found += secret_values(value)
-        elif isinstance(value, str) and len(value) >= 4 and _SECRET_KEY.search(str(key)):
-            found.append(value)
-    return sorted(set(found), key=len, reverse=True)
-
-
-def _url_secrets(url: str) -> list[str]:
-    match = re.match(r"^[a-zA-Z0-9+.-]+://([^/@]*)@", url)
-    return [s for s in re.split(r"[:]", match.group(1)) if len(s) >= 4] if match else []

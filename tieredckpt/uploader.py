@@ -33,7 +33,8 @@ from typing import Callable
 from .atomic import atomic_write_bytes
 from .errors import TieredCkptError
 from .local import LocalTier
-from .remote import PartEntry, RemoteError, RemoteTier, UploadedFile
+from .remote import RemoteError, RemoteTier
+from .uploadmanifest import PartEntry, UploadedFile
 from .retention import Policy, plan_eviction
 
 log = logging.getLogger("tieredckpt")

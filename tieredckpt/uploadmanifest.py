@@ -1,0 +1,104 @@
+"""The upload manifest: the remote tier's commit marker, and its validation.
+
+``ROOT/step_NNNNNN/upload.json`` lists, for every shard, the parts it was sent
+as (offset, raw and stored size, raw and stored crc32c), the codec, and embeds
+the checkpoint manifest. It is written last; it is read as untrusted input.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass
+
+from .codec import CODECS
+from .errors import ManifestError
+from .manifest import ShardManifest, check_relative_path
+
+UPLOAD_SCHEMA = 1
+
+
+@dataclass(frozen=True)
+class PartEntry:
+    path: str
+    offset: int
+    raw_size: int
+    stored_size: int
+    raw_crc32c: str
+    stored_crc32c: str
+
+
+@dataclass(frozen=True)
+class UploadedFile:
+    path: str
+    size: int
+    parts: list[PartEntry]
+
+
+@dataclass(frozen=True)
+class UploadManifest:
+    step: int
+    codec: str
+    files: list[UploadedFile]
+    checkpoint: dict  # the local manifest.json, embedded
+    uploaded_unix: float
+    schema_version: int = UPLOAD_SCHEMA
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1)
+
+    @property
+    def stored_size(self) -> int:
+        return sum(p.stored_size for f in self.files for p in f.parts)
+
+    @classmethod
+    def from_json(cls, text: str | bytes, source: str) -> "UploadManifest":
+        """Parse and validate an untrusted upload manifest."""
+        try:
+            raw = json.loads(text)
+        except (ValueError, RecursionError) as exc:
+            raise ManifestError(f"{source}: not valid JSON ({exc})") from None
+        if not isinstance(raw, dict) or raw.get("schema_version") != UPLOAD_SCHEMA:
+            raise ManifestError(f"{source}: not an upload manifest of schema_version {UPLOAD_SCHEMA}")
+        if raw.get("codec") not in CODECS:
+            raise ManifestError(f"{source}: unknown codec {raw.get('codec')!r}")
+        checkpoint = ShardManifest.from_json(json.dumps(raw.get("checkpoint")), f"{source} (checkpoint)")
+        files = raw.get("files")
+        if not isinstance(files, list) or len(files) != len(checkpoint.shards):
+            raise ManifestError(f"{source}: 'files' must list one entry per shard")
+        parsed = [_uploaded_file(f, shard, f"{source}: files[{i}]")
+                  for i, (f, shard) in enumerate(zip(files, checkpoint.shards))]
+        step = raw.get("step")
+        if step != checkpoint.step:
+            raise ManifestError(f"{source}: step {step!r} differs from its checkpoint's {checkpoint.step}")
+        uploaded = raw.get("uploaded_unix")
+        if type(uploaded) not in (int, float):
+            raise ManifestError(f"{source}: uploaded_unix must be a number")
+        return cls(step, raw["codec"], parsed, raw["checkpoint"], float(uploaded))
+
+    @property
+    def shard_manifest(self) -> ShardManifest:
+        return ShardManifest.from_json(json.dumps(self.checkpoint), "upload manifest")
+
+
+def _uploaded_file(raw, shard, where) -> UploadedFile:
+    if not isinstance(raw, dict) or raw.get("path") != shard.path or raw.get("size") != shard.size:
+        raise ManifestError(f"{where}: does not match shard {shard.path!r} of {shard.size} bytes")
+    parts_raw = raw.get("parts")
+    if not isinstance(parts_raw, list) or not parts_raw:
+        raise ManifestError(f"{where}: 'parts' must be a non-empty list")
+    parts, offset = [], 0
+    for j, p in enumerate(parts_raw):
+        if not isinstance(p, dict):
+            raise ManifestError(f"{where}: parts[{j}] is not an object")
+        ints = [p.get(k) for k in ("offset", "raw_size", "stored_size")]
+        if not all(type(v) is int and 0 <= v < 2**63 for v in ints) or p["offset"] != offset:
+            raise ManifestError(f"{where}: parts[{j}] offsets/sizes are invalid or not contiguous")
+        crcs = [p.get("raw_crc32c"), p.get("stored_crc32c")]
+        if not all(isinstance(c, str) and re.fullmatch(r"[0-9a-f]{8}", c) for c in crcs):
+            raise ManifestError(f"{where}: parts[{j}] checksums are not 8 hex digits")
+        parts.append(PartEntry(check_relative_path(p.get("path"), where), *ints, *crcs))
+        offset += p["raw_size"]
+    if offset != shard.size:
+        raise ManifestError(f"{where}: parts cover {offset} bytes of {shard.size}")
+    return UploadedFile(shard.path, shard.size, parts)
