@@ -220,26 +220,41 @@ def test_memory_remote_for_unit_tests(tmp_path):
         assert first_difference(state(1), s.restore()) is None
 
 
-def test_sigterm_exit_leaves_pending_uploads_to_the_next_start(tmp_path, remote):
+class SlowFS(FlakyFS):
+    """A remote so slow that an upload is still running when the process leaves."""
+
+    def __init__(self, inner, gate) -> None:
+        super().__init__(inner, {})
+        self.gate = gate
+
+    def __getattr__(self, name):
+        attr = super().__getattr__(name)
+        if name != "pipe_file":
+            return attr
+
+        def slow(*args, **kwargs):
+            self.gate.wait(10)
+            return attr(*args, **kwargs)
+        return slow
+
+
+@pytest.mark.parametrize("how", ["sigterm", "exception"])
+def test_stopping_or_failing_leaves_pending_uploads_to_the_next_start(tmp_path, remote, how):
     import threading
-    real = RemoteTier(remote.url, remote.options)
+    import time
     gate = threading.Event()
-
-    class SlowFS(FlakyFS):
-        def __getattr__(self, name):
-            attr = super().__getattr__(name)
-            if name != "pipe_file":
-                return attr
-
-            def slow(*args, **kwargs):
-                gate.wait(10)  # the remote is slow: the upload is still running at exit
-                return attr(*args, **kwargs)
-            return slow
-
-    s = store(tmp_path / "run", remote, remote_fs=SlowFS(real.fs, {}))
-    s.requests.request_stop()  # what SIGTERM does
-    assert s.step_end(7, {"step": 7}) is True  # committed locally before it returns
-    s.close()  # returns without draining the upload
+    s = store(tmp_path / "run", remote, remote_fs=SlowFS(RemoteTier(remote.url, remote.options).fs, gate))
+    start = time.monotonic()
+    if how == "sigterm":
+        s.requests.request_stop()  # what SIGTERM does
+        assert s.step_end(7, {"step": 7}) is True  # committed locally before it returns
+        s.close()
+    else:
+        with pytest.raises(RuntimeError, match="training blew up"):
+            with s:
+                s.save(7, {"step": 7}).wait()
+                raise RuntimeError("training blew up")
+    assert time.monotonic() - start < 8  # did not wait for the slow upload
     assert s.local.steps() == [7] and 7 not in RemoteTier(remote.url, remote.options).steps()
     gate.set()
     with store(tmp_path / "run", remote) as again:  # the next start resumes it

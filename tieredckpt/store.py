@@ -240,16 +240,21 @@ class CheckpointStore(AbstractContextManager):
         if pending is not None:
             pending.wait()
 
-    def close(self) -> None:
-        """Finish the pending write, release the writer; raise a pending failure."""
+    def close(self, drain_uploads: bool | None = None) -> None:
+        """Finish the pending write, release the writer; raise a pending failure.
+
+        Pending uploads are drained (up to ``close_timeout``) unless
+        ``drain_uploads`` is False -- the default after SIGTERM or when leaving the
+        ``with`` block on an exception: the next start resumes them.
+        """
         if self._closed:
             return
+        if drain_uploads is None:
+            drain_uploads = not self.should_stop()
         try:
             self._finish_pending()
             if self.uploader is not None:
-                # SIGTERM: leave pending uploads to the next start; else drain them.
-                drain = 0.0 if self.should_stop() else self.close_timeout
-                if drain != 0 and not self.uploader.drain(drain):
+                if drain_uploads and not self.uploader.drain(self.close_timeout):
                     log.warning("closing with uploads still pending (%s); the next start resumes them",
                                 self.uploader.pending())
                 self.uploader.raise_error()
@@ -264,10 +269,10 @@ class CheckpointStore(AbstractContextManager):
         if exc is None:
             self.close()
             return
-        try:  # already failing: finish what was staged, but never mask the original error
-            self.close()
-        except Exception:
-            pass
+        try:  # already failing: commit what was staged, leave uploads, never mask the error
+            self.close(drain_uploads=False)
+        except Exception:  # noqa: BLE001
+            log.exception("while closing after an error")
 
     def _check_open(self) -> None:
         if self._closed:

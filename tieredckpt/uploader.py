@@ -126,7 +126,7 @@ class Uploader:
         self._stop.set()
         with self._cond:
             self._cond.notify_all()
-        self._thread.join(timeout=5.0)
+        self._thread.join(timeout=1.0)  # a send in flight is resumed at the next start
 
     # ---- worker -----------------------------------------------------------------------
 
