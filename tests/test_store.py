@@ -151,3 +151,12 @@ def test_a_signal_during_a_save_is_not_lost(run_dir, monkeypatch):
         monkeypatch.setattr(store._stager, "stage", stage_and_get_signalled)
         store.save(1, {"s": 1})
         assert store.should_save(2)  # still pending for the next boundary
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"keep_local": 0}, "keep_local"), ({"every": -1}, "every"), ({"verify": "md5"}, "verify"),
+    ({"compression": "gzip"}, "compression"),
+])
+def test_bad_settings_are_refused_naming_them(run_dir, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        CheckpointStore(run_dir, **kwargs)

@@ -43,6 +43,7 @@ from .remote import PART_SIZE, RemoteTier
 from .restore import Restorer, load_into
 from .retention import Policy
 from .runlog import SIDE_FILES, RunLog, fork_run
+from .shardfile import VERIFY_MODES
 from .signals import Requests, handle_signals
 from .staging import Stager
 from .uploader import Uploader
@@ -102,6 +103,8 @@ class CheckpointStore(AbstractContextManager):
             raise ValueError(f"keep_local must be an int >= 1, got {keep_local!r}")
         if type(every) is not int or every < 0:
             raise ValueError(f"every must be an int >= 0 (0: only on request), got {every!r}")
+        if verify not in VERIFY_MODES:
+            raise ValueError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
         self.local = LocalTier(local)
         self.run = RunLog(local)  # side files: written by rank 0 only
         # One checkpoint group per thread that issues collectives, so they never interleave:
