@@ -36,24 +36,15 @@ def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
 
     Lets two threads checksum the two halves of a buffer at once.
     """
-    if len2 == 0:
-        return crc1
-    odd = [0x82F63B78] + [1 << n for n in range(31)]  # the operator for one zero bit
-    even = _gf2_square(odd)  # two zero bits
-    odd = _gf2_square(even)  # four zero bits
-    while True:  # apply len2 zero bytes to crc1, one bit of len2 at a time
-        even = _gf2_square(odd)
+    op = [0x82F63B78] + [1 << n for n in range(31)]  # the operator for one zero bit
+    for _ in range(3):
+        op = _gf2_square(op)  # ... for one zero byte
+    while len2:  # apply len2 zero bytes to crc1: square-and-multiply over len2's bits
         if len2 & 1:
-            crc1 = _gf2_times(even, crc1)
+            crc1 = _gf2_times(op, crc1)
         len2 >>= 1
-        if not len2:
-            break
-        odd = _gf2_square(even)
-        if len2 & 1:
-            crc1 = _gf2_times(odd, crc1)
-        len2 >>= 1
-        if not len2:
-            break
+        if len2:
+            op = _gf2_square(op)
     return crc1 ^ crc2
 
 

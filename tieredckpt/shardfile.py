@@ -239,7 +239,7 @@ def _check_entry(name, entry, data_len, source):
 def _view(data: torch.Tensor, entry: dict) -> torch.Tensor:
     """A zero-copy tensor over its bytes, with a storage of its own (offset 0).
 
-    Like torch.load(mmap=True), each tensor gets a slice of the mapping as its
+    As torch's own mmap loading does, each tensor gets a slice of the mapping as its
     own storage: some torch APIs (torch.set_rng_state among them) misread a
     tensor that sits at an offset inside a larger storage.
     """
