@@ -50,6 +50,24 @@ def main() -> None:
                 store.save(step, rank_state(step, rank)).wait()
             store.wait(uploads=True)
             result["steps"] = store.local.steps()
+        elif args.scenario == "upload_fails_on_last_rank":
+            if rank == world - 1:  # this rank's writes are refused by the remote
+                fs = store.remote.fs
+                real_pipe = fs.pipe_file
+
+                def refuse(path, *a, **kw):
+                    if "/rank" in path:
+                        raise PermissionError("Access Denied")
+                    return real_pipe(path, *a, **kw)
+                fs.pipe_file = refuse
+            store.save(1, rank_state(1, rank)).wait()
+            try:
+                store.wait(uploads=True)
+                result["error"] = None
+            except Exception as exc:  # noqa: BLE001
+                result["error"] = f"{type(exc).__name__}: {exc}"[:300]
+            result["remote_steps"] = store.remote.steps()
+            result["local_steps"] = store.local.steps()
         elif args.scenario == "restore":
             out = store.restore()
             result["step"] = out["step"]

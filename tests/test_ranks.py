@@ -110,6 +110,16 @@ def test_a_rank_without_its_local_copy_fetches_its_shard_from_the_remote(tmp_pat
     assert sorted((p.name, p.stat().st_mtime_ns) for p in (tmp_path / "node0").rglob("rank0.bin")) == node0_before
 
 
+def test_one_rank_failing_its_upload_means_no_upload_manifest(tmp_path):
+    remote = f"file://{tmp_path / 'remote'}"
+    out = run(2, "upload_fails_on_last_rank", tmp_path / "node{rank}", "--remote", remote)
+    assert "Access Denied" in out[1]["error"]
+    assert "rank 1 could not upload its shard" in out[0]["error"]
+    assert all(r["remote_steps"] == [] for r in out)  # nothing visible on the remote
+    assert all(r["local_steps"] == [1] for r in out)  # and the local copies stay
+    assert RemoteTier(remote).steps() == [] and RemoteTier(remote).uncommitted() == [1]
+
+
 def zero_run(world, run_dir, steps, *extra):
     return launch(world, [str(ZERO), "--run-dir", str(run_dir), "--steps", str(steps), "--every", "20", *extra])
 
