@@ -44,9 +44,5 @@ def first_difference(a: Any, b: Any, path: str = "") -> str | None:
     return None
 
 
-def states_equal(a: Any, b: Any) -> bool:
-    return first_difference(a, b) is None
-
-
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)

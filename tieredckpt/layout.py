@@ -42,10 +42,6 @@ def shard_name(rank: int) -> str:
     return f"rank{rank}.bin"
 
 
-def flat_name(step: int) -> str:
-    return f"{step_dir_name(step)}.bin"
-
-
 def scratch_name(final_name: str, kind: str = "tmp") -> str:
     """A sibling name for work in progress: ``<final>.tmp-<pid>-<random>``."""
     return f"{final_name}.{kind}-{os.getpid()}-{secrets.token_hex(4)}"

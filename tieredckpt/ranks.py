@@ -40,7 +40,7 @@ from . import layout
 from .atomic import commit_dir, fsync_dir, make_scratch_dir
 from .errors import CheckpointExistsError, TieredCkptError
 from .manifest import ShardEntry, ShardManifest
-from .sharded import _write_rank, write_manifest
+from .sharded import state_numel, write_manifest, write_rank
 
 
 class DistributedCommitError(TieredCkptError):
@@ -84,9 +84,6 @@ class RankGroup:
     def barrier(self) -> None:
         self._dist.barrier(group=self.group)
 
-    def broadcast_json(self, value: Any, src: int = 0) -> Any:
-        return self.all_gather_json(value if self.rank == src else None)[src]
-
 
 def node_key(root: Path) -> str:
     return f"{socket.gethostname()}:{os.path.realpath(root)}"
@@ -104,9 +101,9 @@ def commit_rank(root: Path, step: int, state: Any, ranks: RankGroup, *,
         root.mkdir(parents=True, exist_ok=True)
         scratch = make_scratch_dir(final)
         name = layout.shard_name(ranks.rank)
-        digest = _write_rank(scratch / name, state)
+        digest = write_rank(scratch / name, state)
         fsync_dir(scratch)
-        numel = sum(t.numel() for t in _tensors(state))
+        numel = state_numel(state)
         info = {"size": digest.size, "crc32c": digest.crc32c, "sha256": digest.sha256, "numel": numel,
                 "span": list(param_span) if param_span else None, "scratch": str(scratch)}
     except Exception as exc:  # noqa: BLE001 - reported to every rank below
@@ -161,8 +158,3 @@ def _manifest(step: int, infos: list[dict], wall: float, user: dict | None) -> S
     return ShardManifest(world_size=len(infos), step=step, wall_clock_seconds=float(wall), shards=entries,
                          created_unix=time.time(), user=dict(user or {}))
 
-
-def _tensors(state: Any) -> list[torch.Tensor]:
-    from .staging import Staged
-    from . import tree
-    return state.tensors if isinstance(state, Staged) else tree.flatten(state)[1]

@@ -57,7 +57,7 @@ def save_sharded(state_dict_per_rank: Sequence[Any], dir: str | os.PathLike, ste
         entries = []
         for rank, state in enumerate(state_dict_per_rank):
             name = layout.shard_name(rank)
-            digest = _write_rank(tmp / name, state)  # fsynced inside
+            digest = write_rank(tmp / name, state)  # fsynced inside
             entries.append(ShardEntry(rank=rank, path=name, sha256=digest.sha256, size=digest.size,
                                       crc32c=digest.crc32c, param_shard_offset=spans[rank][0],
                                       param_shard_numel=spans[rank][1]))
@@ -82,17 +82,23 @@ def write_manifest(directory: Path, manifest: ShardManifest) -> None:
         os.close(fd)
 
 
-def _write_rank(path: Path, state: Any):
+def write_rank(path: Path, state: Any):
+    """Write one rank's shard from plain state or a store's Staged snapshot."""
     if isinstance(state, Staged):  # already snapshotted by the store
         return write_flattened(path, state.skeleton, state.tensors, state.names)
     return write_shard(path, state)
 
 
+def state_numel(state: Any) -> int:
+    """How many tensor elements a rank's state (or Staged snapshot) holds."""
+    tensors = state.tensors if isinstance(state, Staged) else tree.flatten(state)[1]
+    return sum(t.numel() for t in tensors)
+
+
 def _default_spans(states: Sequence[Any]) -> list[tuple[int, int]]:
     spans, offset = [], 0
     for state in states:
-        tensors = state.tensors if isinstance(state, Staged) else tree.flatten(state)[1]
-        numel = sum(t.numel() for t in tensors)
+        numel = state_numel(state)
         spans.append((offset, numel))
         offset += numel
     return spans

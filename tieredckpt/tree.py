@@ -49,7 +49,7 @@ def flatten(state: Any) -> tuple[Any, list[torch.Tensor], list[str]]:
             names.append(name_for(path))
             return {"@t": len(tensors) - 1}
         if isinstance(obj, _SCALARS):
-            return _check_scalar(obj, path)
+            return _check_scalar(obj)
         if isinstance(obj, dict):
             items = [[_check_key(k, path), walk(v, path + (k,))] for k, v in obj.items()]
             if isinstance(obj, OrderedDict):
@@ -113,7 +113,7 @@ def unflatten(skeleton: Any, tensors: list[torch.Tensor], source: str = "checkpo
         raise bad("nested too deeply") from exc
 
 
-def _check_scalar(value: Any, path: tuple) -> Any:
+def _check_scalar(value: Any) -> Any:
     if isinstance(value, int) and not isinstance(value, bool) and type(value) is not int:
         return int(value)  # IntEnum and friends: store the number
     if isinstance(value, float) and type(value) is not float:
@@ -125,7 +125,7 @@ def _check_scalar(value: Any, path: tuple) -> Any:
 
 def _check_key(key: Any, path: tuple) -> Any:
     if isinstance(key, _SCALARS):
-        return _check_scalar(key, path)
+        return _check_scalar(key)
     raise UnsupportedStateError(
         f"cannot store dict key {key!r} ({type(key).__name__}) at {_where(path)}: "
         "keys must be str, int, float, bool or None"

@@ -139,7 +139,7 @@ class Uploader:
                     return
                 step = self._current = self._queue.popleft()
             try:
-                self._upload_with_retries(step)
+                self._process(step)
             except BaseException as exc:  # noqa: BLE001 - stored, raised at the next call
                 if self._stop.is_set():
                     self._set(step, "pending")  # interrupted by close: resumed at the next start
@@ -153,8 +153,8 @@ class Uploader:
                     self._current = None
                     self._cond.notify_all()
 
-    def _upload_with_retries(self, step: int) -> None:
-        """Send (with retries), then commit. With many ranks every rank sends its own shard,
+    def _process(self, step: int) -> None:
+        """One step: send (with retries), then commit. With many ranks every rank sends its own shard,
         they exchange what they sent, and rank 0 writes upload.json only if all succeeded."""
         error, files = None, None
         try:
