@@ -93,15 +93,15 @@ def test_server_stopped_mid_upload_nothing_visible_nothing_evicted_then_it_compl
         server.make_bucket("outage")
         url = "s3://outage/run"
         fs = GatedFS(RemoteTier(url, server.options()).fs)
-        s = CheckpointStore(tmp_path / "run", url, remote_options=server.options(), keep_local=1,
+        s = CheckpointStore(tmp_path / "run", url, remote_options=server.options(), keep_local=1, uploads="all",
                             max_pending_uploads=None, upload_part_size=256 << 10, upload_backoff=(0.2, 1.0),
-                            upload_retry_timeout=120, remote_fs=fs)
+                            remote_fs=fs)
         s.save(1, state(1)).wait()
         s.wait(uploads=True)
         big = {"w": torch.randn(6_000_000), "step": 2}  # 24 MB: ~90 parts
         s.save(2, big).wait()
         deadline = time.monotonic() + 60
-        while s.uploader.status().get(2, {}).get("state") != "uploading" or not s.uploader._status:
+        while s.uploader.status().get(2, {}).get("state") != "uploading":
             assert time.monotonic() < deadline
             time.sleep(0.005)
         time.sleep(0.2)  # some parts are on the server

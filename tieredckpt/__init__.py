@@ -12,9 +12,9 @@ from .retention import AnyOf, KeepEvery, KeepLast
 from .rng import capture_rng, restore_rng
 from .runlog import LossHistory, RunLog
 from .sharded import load_sharded, save_sharded, verify_checkpoint
-from .remote import RemoteError
+from .errors import (DistributedCommitError, NotARunDirectoryError, RemoteAccessError, RemoteError,
+                     RemoteNotFoundError, UploadError, WriterConflictError)
 from .store import CheckpointInfo, CheckpointStore, SaveHandle
-from .uploader import UploadError
 
 __version__ = "0.1.0"
 
@@ -23,7 +23,8 @@ __all__ = [
     "LossHistory", "RunLog", "SaveHandle", "capture_rng", "restore_rng", "CheckpointExistsError", "CheckpointNotFoundError",
     "ChecksumMismatchError", "CorruptCheckpointError", "FlatCheckpoint", "FlatFormatError",
     "KeepEvery", "KeepLast", "LocalTier", "ManifestError", "MissingShardError",
-    "ShardCountMismatchError", "StoreConfig", "UploadError", "RemoteError", "ShardEntry", "ShardManifest", "TieredCkptError",
+    "ShardCountMismatchError", "StoreConfig", "UploadError", "RemoteError", "RemoteAccessError",
+    "RemoteNotFoundError", "WriterConflictError", "DistributedCommitError", "NotARunDirectoryError", "ShardEntry", "ShardManifest", "TieredCkptError",
     "UnsupportedStateError", "WorldSizeMismatchError", "__version__", "flat_to_model",
     "load_sharded", "model_to_flat", "read_flat", "save_sharded", "verify_checkpoint", "write_flat",
 ]

@@ -15,7 +15,9 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 from . import layout
 
@@ -63,6 +65,45 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
         _unlink_quietly(tmp)
         raise
     fsync_dir(path.parent)  # make the rename itself durable
+
+
+@contextmanager
+def building(final: str | os.PathLike) -> Iterator[Path]:
+    """The one way a directory (a checkpoint, an archive) comes into existence.
+
+        with building(run / "step_000100") as tmp:
+            write files into tmp (each fsynced), the manifest last
+        # here step_000100/ exists, complete and durable
+
+    Order: a scratch sibling ``<final>.tmp-<pid>-<hex>`` (same filesystem) is
+    made and yielded -> the caller writes everything into it -> on a clean exit
+    it is fsynced, renamed to ``final`` (refused if ``final`` exists) and the
+    parent fsynced. On any exception the scratch is deleted and ``final`` never
+    appears. A crash at any instant leaves ``final`` absent or complete; the
+    scratch a crash leaves behind carries a dead pid and goes in clean_stale.
+    """
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = make_scratch_dir(final)
+    try:
+        yield tmp
+        commit_dir(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+@contextmanager
+def scratch_dir(near: str | os.PathLike | None) -> Iterator[Path]:
+    """A private scratch directory, deleted on exit whatever happens: beside ``near``
+    (same filesystem, named so a crash's leftover is cleaned), or in the system's
+    temp directory when ``near`` is None (a reader that must not write the run)."""
+    import tempfile
+    tmp = make_scratch_dir(Path(near)) if near is not None else Path(tempfile.mkdtemp(prefix="tieredckpt-"))
+    try:
+        yield tmp
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def make_scratch_dir(final: Path) -> Path:

@@ -8,8 +8,11 @@
     tieredckpt convert SRC DST [--step N]     flat .bin <-> checkpoint
     tieredckpt reshard RUN_DIR --world-size M [--step N] [--to NEW_RUN]
     tieredckpt plot RUN_DIR [-o PNG]          loss history with checkpoints and pivots
+    tieredckpt gc REMOTE_URL [--grace S] [--force]   delete abandoned half-uploads
 
-User errors print one line naming the file and the reason (exit 1); no tracebacks.
+Exit codes: 0 fine; 1 an error, or a problem found (a bad checkpoint, a failed
+upload); 2 bad usage; 130 interrupted. Errors print one line naming the file or
+object and the reason; ``--debug`` (or TIEREDCKPT_DEBUG=1) adds the traceback.
 Remote credentials come from the environment (AWS_ACCESS_KEY_ID, ...) or
 ``--remote-option key=value``; they are never printed.
 """
@@ -18,31 +21,42 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+import os
 import sys
 import threading
 import time
+import traceback
 from pathlib import Path
 
 from . import layout
 from .errors import TieredCkptError
 from .local import LocalTier
+from .runlock import RunLock
 from .shardfile import read_header
 from .sharded import verify_present
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    debug = args.debug or os.environ.get("TIEREDCKPT_DEBUG") == "1"
+    logging.basicConfig(level=logging.DEBUG if debug else logging.WARNING, format="tieredckpt: %(message)s")
     try:
         return args.func(args) or 0
-    except (TieredCkptError, OSError, ValueError) as exc:
-        print(f"tieredckpt: error: {exc}", file=sys.stderr)
-        return 1
     except KeyboardInterrupt:
         return 130
+    except Exception as exc:  # noqa: BLE001 - the one place a user could meet a traceback
+        if debug:
+            traceback.print_exc()
+        kind = "" if isinstance(exc, (TieredCkptError, OSError, ValueError)) else f"{type(exc).__name__}: "
+        print(f"tieredckpt: error: {kind}{exc}", file=sys.stderr)
+        return 1
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tieredckpt", description="Inspect and manage tieredckpt runs.")
+    p = argparse.ArgumentParser(prog="tieredckpt", description="Inspect and manage tieredckpt runs.",
+                                epilog="exit codes: 0 fine, 1 error or problem found, 2 bad usage, 130 interrupted")
+    p.add_argument("--debug", action="store_true", help="show the traceback of an error")
     sub = p.add_subparsers(dest="command", required=True)
 
     ls = sub.add_parser("ls", help="list a run's checkpoints, where each lives, and how far uploads lag")
@@ -95,6 +109,15 @@ def _parser() -> argparse.ArgumentParser:
     plot.add_argument("run_dir")
     plot.add_argument("-o", "--out", help="output file (default RUN_DIR/loss.png)")
     plot.set_defaults(func=cmd_plot)
+
+    gc = sub.add_parser("gc", help="delete half-uploaded steps (no upload.json) that nobody is finishing")
+    gc.add_argument("remote_url")
+    gc.add_argument("--grace", type=float, default=3600.0,
+                    help="only steps whose newest object is older than this many seconds (default 3600)")
+    gc.add_argument("--force", action="store_true", help="even while a live writer owns the remote")
+    gc.add_argument("--dry-run", action="store_true", help="only list what would be deleted")
+    _remote_args(gc, None)
+    gc.set_defaults(func=cmd_gc)
     return p
 
 
@@ -106,7 +129,7 @@ def _remote_args(parser, url_help: str | None) -> None:
                         help="an fsspec/s3fs option; repeatable")
 
 
-def _remote(url: str, args):
+def _remote(url: str, args, create: bool = False):
     from .remote import RemoteTier
     options = {}
     for item in args.remote_option:
@@ -116,27 +139,39 @@ def _remote(url: str, args):
         options[key] = value
     if args.endpoint_url and url.startswith("s3://"):
         options["endpoint_url"] = args.endpoint_url
-    return RemoteTier(url, options)
+    remote = RemoteTier(url, options)
+    remote.t.probe(create=create)  # a missing bucket or refused credentials: say so now
+    return remote
 
 
-def _run_remote(tier: LocalTier, args):
-    """The remote named on the command line, or the one the run's store recorded."""
-    from .uploader import STATUS_FILE
+def _run_remote(tier: LocalTier, args, create: bool = False):
+    """The remote named on the command line, or the one the run's store recorded; and the status."""
     url = getattr(args, "remote", None)
-    status = {}
-    try:
-        status = json.loads((tier.root / STATUS_FILE).read_text())
-    except (FileNotFoundError, ValueError):
-        pass
+    status = _status(tier)
     url = url or status.get("remote")
+    if url is not None and not isinstance(url, str):
+        url = None
     if url and "***@" in url:
         raise ValueError(f"{tier.root}: the recorded remote {url} needs its credentials; pass --remote")
-    return (_remote(url, args) if url else None), status.get("steps", {})
+    return (_remote(url, args, create) if url else None), status
+
+
+def _status(tier: LocalTier) -> dict:
+    """The uploader's status file (informational; anything unreadable counts as none)."""
+    try:
+        with open(tier.root / layout.STATUS_FILE, "rb") as f:
+            doc = json.loads(f.read(1 << 20))
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(doc, dict) or not isinstance(doc.get("steps", {}), dict):
+        return {}
+    return doc
 
 
 def cmd_ls(args) -> int:
     tier = LocalTier(args.run_dir, create=False)
-    remote, upload_status = _run_remote(tier, args)
+    remote, recorded = _run_remote(tier, args)
+    upload_status = recorded.get("steps", {})
     local_steps = tier.steps()
     problems = 0
     remote_steps: list[int] = []
@@ -168,9 +203,11 @@ def cmd_ls(args) -> int:
             problems += 1
             status, age, size, files = f"BAD: {exc}", "?", "?", "?"
         if remote is not None and step in local_steps and step not in remote_steps:
-            entry = upload_status.get(str(step), {"state": "pending"})
-            status += f"; upload {entry['state']}" + (f": {entry['error']}" if entry.get("error") else "")
-            problems += entry["state"] == "failed"
+            entry = upload_status.get(str(step))
+            entry = entry if isinstance(entry, dict) else {"state": "pending"}
+            state = entry.get("state", "pending")
+            status += f"; upload {state}" + (f": {entry['error']}" if entry.get("error") else "")
+            problems += state == "failed"
         mark = " <- latest" if step == pointer else ""
         print(f"{step:>10}  {age:>9}  {size:>10}  {files:>5}  {where:<12}  {status}{mark}")
     if remote is not None:
@@ -179,6 +216,11 @@ def cmd_ls(args) -> int:
         lag = (f"{len(behind)} checkpoint(s) not uploaded yet; the remote's newest is step {newest_remote}, "
                f"{max(local_steps) - (newest_remote or 0)} steps behind") if behind else "the remote is up to date"
         print(f"remote {remote.display_url}: {lag}")
+        error = recorded.get("last_error")
+        if isinstance(error, dict) and error.get("message") and behind:
+            when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(error.get("unix", 0)))
+            kind = "retrying" if error.get("transient") else "FAILING (retried slowly; fix it)"
+            print(f"last upload error at {when} ({kind}): {error['message']}")
     stale = [e.name for e in tier.root.iterdir() if layout.scratch_owner_pid(e.name) is not None]
     if stale:
         print(f"({len(stale)} leftover temp entries from an interrupted save; removed at the next save)")
@@ -197,41 +239,81 @@ def cmd_restore(args) -> int:
               f"(have: {steps[-5:]})", file=sys.stderr)
         return 1
     tier = LocalTier(args.to)
-    if step in tier.steps():
-        print(f"{tier.step_path(step)} is already here; verifying it")
-        tier.verify(step)
-    else:
-        upload = remote.upload_manifest(step)
-        bar = _TransferBar(upload.shard_manifest.total_size, f"download step {step}")
-        remote.download(step, tier.step_path(step), progress=bar.add)
-        bar.close()
-        tier.update_latest()
-    fetched = remote.get_side_files(tier.root)
+    lock = RunLock(tier.root)
+    lock.acquire()  # we write into this run directory: nobody else may
+    try:
+        if step in tier.steps():
+            print(f"{tier.step_path(step)} is already here; verifying it")
+            tier.verify(step)
+        else:
+            upload = remote.upload_manifest(step)
+            bar = _TransferBar(upload.shard_manifest.total_size, f"download step {step}")
+            tier.download(step, remote, progress=bar.add)
+            bar.close()
+        fetched = remote.get_side_files(tier.root, warn=lambda m: print(f"warning: {m}", file=sys.stderr))
+    finally:
+        lock.release()
     print(f"restored step {step} from {remote.display_url} into {tier.step_path(step)}"
           + (f"; side files: {', '.join(fetched)}" if fetched else ""))
     return 0
 
 
 def cmd_push(args) -> int:
+    from .lease import WriterLease
     from .uploader import Uploader
     tier = LocalTier(args.run_dir, create=False)
-    remote, _ = _run_remote(tier, args)
-    if remote is None:
-        raise ValueError(f"{tier.root}: no remote recorded for this run; pass --remote URL")
-    pending = sorted(set(tier.steps()) - set(remote.steps()))
-    if not pending:
-        print(f"{remote.display_url}: already holds every local checkpoint")
-        return 0
-    total = sum(tier.manifest(s).total_size for s in pending)
-    bar = _TransferBar(total, f"upload {len(pending)} checkpoint(s)")
-    uploader = Uploader(tier, remote, codec=args.compression, max_pending=None, progress=bar.add)
+    lock = RunLock(tier.root)
+    lock.acquire()  # a training run writing here holds it: its own uploader does this job
     try:
-        uploader.drain(None)
-        bar.close()
-        uploader.raise_error()
+        remote, _ = _run_remote(tier, args, create=True)
+        if remote is None:
+            raise ValueError(f"{tier.root}: no remote recorded for this run; pass --remote URL")
+        pending = [s for s in tier.steps() if not remote.is_committed(s)]
+        if not pending:
+            print(f"{remote.display_url}: already holds every local checkpoint")
+            return 0
+        lease = WriterLease(remote.t)
+        lease.acquire()  # only the remote's one writer uploads
+        total = sum(tier.manifest(s).total_size for s in pending)
+        bar = _TransferBar(total, f"upload {len(pending)} checkpoint(s)")
+        uploader = Uploader(tier, remote, codec=args.compression, mode="all", max_pending=None, progress=bar.add,
+                            lease=lease).start()
+        try:
+            for step in pending:
+                uploader.enqueue(step)
+            uploader.drain(None)
+            bar.close()
+        finally:
+            uploader.close()
     finally:
-        uploader.close()
+        lock.release()
     print(f"uploaded steps {pending} to {remote.display_url}")
+    return 0
+
+
+def cmd_gc(args) -> int:
+    """Delete remote step directories without an upload manifest, once nobody can be finishing them."""
+    from .lease import WriterLease, describe, holder_alive
+    remote = _remote(args.remote_url, args)
+    lease = WriterLease(remote.t)
+    holder = lease.read()
+    if holder is not None and holder_alive(holder)[0] and not args.force:
+        raise ValueError(f"{remote.display_url}: a live writer owns it ({describe(holder)}); it cleans up "
+                         "after itself -- pass --force to delete anyway")
+    now = time.time()
+    doomed = []
+    for step in remote.uncommitted():
+        newest = remote.newest_object_time(step)
+        if newest is not None and now - newest < args.grace:
+            print(f"step {step}: half-uploaded, but written {now - newest:.0f} s ago (< --grace); kept")
+            continue
+        doomed.append(step)
+    for step in doomed:
+        print(f"step {step}: half-uploaded (no upload.json); " + ("would delete" if args.dry_run else "deleting"))
+        if not args.dry_run:
+            remote.delete(step)
+    if not doomed:
+        print(f"{remote.display_url}: nothing to clean up")
     return 0
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import struct
 import warnings
+from typing import Callable
 
 import torch
 import zstandard
@@ -39,22 +40,58 @@ def encode(raw: torch.Tensor, codec: str, level: int = 1) -> bytes:
     raise ValueError(f"unknown codec {codec!r}; choose one of {CODECS}")
 
 
-def decode(stored: bytes, codec: str, raw_size: int, source: str) -> bytes | bytearray:
+def decode(stored: bytes, codec: str, raw_size: int, source: str) -> bytearray:
     """The raw bytes of one stored object; raises CorruptCheckpointError if they cannot be."""
+    out = bytearray()
+    decode_into(stored, codec, raw_size, out.extend, source)
+    return out
+
+
+_OUT_CHUNK = 4 << 20
+
+
+def decode_into(stored, codec: str, raw_size: int, sink: Callable[[memoryview], None], source: str) -> None:
+    """Stream the raw bytes of one stored object into ``sink``, in order, in chunks of a few MB.
+
+    Never produces more than ``raw_size`` bytes, whatever sizes the frame itself
+    claims (it is untrusted): decoding stops and fails past it, or when it ends short.
+    Memory stays within the stored object, a quarter of ``raw_size`` (the top plane
+    of zstd-planes) and one chunk.
+    """
+    produced = 0
+
+    def emit(chunk) -> None:
+        nonlocal produced
+        produced += len(chunk)
+        if produced > raw_size:
+            raise CorruptCheckpointError(f"{source}: decodes to more than the {raw_size} bytes declared")
+        sink(memoryview(chunk))
     try:
         if codec == "raw":
-            out = stored
+            for start in range(0, len(stored), _OUT_CHUNK):
+                emit(memoryview(stored)[start:start + _OUT_CHUNK])
         elif codec == "zstd":
-            out = zstandard.ZstdDecompressor().decompress(stored, max_output_size=raw_size)
+            _unzstd(stored, raw_size + 1, emit)
         elif codec == "zstd-planes":
-            out = _decode_planes(stored, raw_size, source)
+            _decode_planes(memoryview(stored), raw_size, emit, source)
         else:
             raise CorruptCheckpointError(f"{source}: unknown codec {codec!r}")
     except zstandard.ZstdError as exc:
         raise CorruptCheckpointError(f"{source}: cannot decompress ({exc})") from None
-    if len(out) != raw_size:
-        raise CorruptCheckpointError(f"{source}: decodes to {len(out)} bytes, expected {raw_size}")
-    return out
+    if produced != raw_size:
+        raise CorruptCheckpointError(f"{source}: decodes to {produced} bytes, expected {raw_size}")
+
+
+def _unzstd(data, limit: int, emit: Callable) -> None:
+    """Decompress ``data`` chunk by chunk, at most ``limit`` bytes (the frame's own size claim is ignored)."""
+    reader = zstandard.ZstdDecompressor().stream_reader(data, read_across_frames=False)
+    total = 0
+    while total < limit:
+        chunk = reader.read(min(_OUT_CHUNK, limit - total))
+        if not chunk:
+            return
+        total += len(chunk)
+        emit(chunk)
 
 
 def _encode_planes(raw: torch.Tensor, level: int) -> bytes:
@@ -66,24 +103,28 @@ def _encode_planes(raw: torch.Tensor, level: int) -> bytes:
     return b"".join((_LEN.pack(len(packed)), packed, low, bytes(byte_view(raw[4 * n:]))))
 
 
-def _decode_planes(stored: bytes, raw_size: int, source: str) -> bytearray:
+def _decode_planes(stored: memoryview, raw_size: int, emit: Callable, source: str) -> None:
     n = raw_size // 4
     if len(stored) < _LEN.size:
         raise CorruptCheckpointError(f"{source}: truncated plane frame")
     (packed_len,) = _LEN.unpack_from(stored)
-    body = memoryview(stored)[_LEN.size:]
+    body = stored[_LEN.size:]
     if packed_len > len(body) or len(body) - packed_len != 3 * n + raw_size % 4:
         raise CorruptCheckpointError(f"{source}: plane frame sizes do not add up")
-    top = zstandard.ZstdDecompressor().decompress(body[:packed_len], max_output_size=n)
+    top = bytearray()
+    _unzstd(body[:packed_len], n + 1, top.extend)
     if len(top) != n:
         raise CorruptCheckpointError(f"{source}: top plane has the wrong length")
-    out = bytearray(raw_size)
-    if n:
-        words = torch.frombuffer(out, dtype=torch.uint8, count=4 * n).view(n, 4)
-        words[:, 3] = _read_only_view(top, 0, n)
-        words[:, :3] = _read_only_view(stored, _LEN.size + packed_len, 3 * n).view(n, 3)
-    out[4 * n:] = body[packed_len + 3 * n:]
-    return out
+    low = body[packed_len:packed_len + 3 * n]
+    step = _OUT_CHUNK // 4
+    for first in range(0, n, step):  # interleave the planes a chunk of words at a time
+        count = min(step, n - first)
+        words = torch.empty((count, 4), dtype=torch.uint8)
+        words[:, 3] = torch.frombuffer(top, dtype=torch.uint8, offset=first, count=count)
+        words[:, :3] = _read_only_view(low, 3 * first, 3 * count).view(count, 3)
+        emit(byte_view(words))
+    if raw_size % 4:
+        emit(body[packed_len + 3 * n:])
 
 
 def _read_only_view(data: bytes, offset: int, count: int) -> torch.Tensor:

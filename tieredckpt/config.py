@@ -7,7 +7,8 @@
     keep_local = 3
     compression = "zstd-planes"          # or "zstd", or "none"
     compression_level = 1
-    max_pending_uploads = 2
+    max_pending_uploads = 2               # with uploads = "all"
+    uploads = "newest"                    # or "all"
     keep_remote = { last = 5, every = 10000 }
     [checkpoint.remote_options]
     endpoint_url = "${S3_ENDPOINT}"
@@ -41,6 +42,7 @@ class StoreConfig:
     compression: str | None = "zstd-planes"
     compression_level: int = 1
     max_pending_uploads: int | None = 2
+    uploads: str = "newest"
 
     def store_kwargs(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}

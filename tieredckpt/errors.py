@@ -2,11 +2,18 @@
 
     TieredCkptError (Exception)
      +-- CheckpointNotFoundError (also FileNotFoundError)   no such run / step
+     +-- NotARunDirectoryError (also NotADirectoryError)    the run directory's path is a file
      +-- CheckpointExistsError (also FileExistsError)       a committed step is never overwritten
      +-- UnsupportedStateError (also TypeError)             a value we refuse to store
      +-- WorldSizeMismatchError (also ValueError)           saved by N ranks, loading with M
      +-- BackgroundSaveError                                a background write failed
- +-- IncompatibleStateError (also ValueError)           saved state does not fit the live objects
+     +-- IncompatibleStateError (also ValueError)           saved state does not fit the live objects
+     +-- WriterConflictError                                another live writer owns the run dir / remote
+     +-- DistributedCommitError                             another rank failed; nothing was committed
+     +-- UploadError                                        uploads failed for good (raised at close)
+     +-- RemoteError (also OSError)                         a remote request failed; .transient
+     |    +-- RemoteNotFoundError (also FileNotFoundError)  no such bucket / prefix / object
+     |    +-- RemoteAccessError (also PermissionError)      access denied, bad or expired credentials
      +-- CorruptCheckpointError (also ValueError)           anything wrong with bytes on disk
           +-- ManifestError                                 manifest missing, unparseable, invalid
           +-- ShardCountMismatchError                       manifest shards != world_size
@@ -27,6 +34,10 @@ class TieredCkptError(Exception):
 
 class CheckpointNotFoundError(TieredCkptError, FileNotFoundError):
     """The run directory or the requested step does not exist."""
+
+
+class NotARunDirectoryError(TieredCkptError, NotADirectoryError):
+    """The path given as a run directory exists and is not a directory."""
 
 
 class CheckpointExistsError(TieredCkptError, FileExistsError):
@@ -71,3 +82,44 @@ class ChecksumMismatchError(CorruptCheckpointError):
 
 class FlatFormatError(CorruptCheckpointError):
     """A flat step_NNNNNN.bin file is malformed."""
+
+
+class WriterConflictError(TieredCkptError):
+    """Another live writer holds the run directory or the remote prefix (named in the message)."""
+
+
+class DistributedCommitError(TieredCkptError):
+    """Another rank failed to write or commit its part; nothing was committed."""
+
+
+class UploadError(TieredCkptError):
+    """Uploads failed in a way no retry fixed; ``failures`` maps each step to its error."""
+
+    def __init__(self, message: str, failures: dict | None = None) -> None:
+        super().__init__(message)
+        self.failures = dict(failures or {})
+
+
+class RemoteError(TieredCkptError, OSError):
+    """A remote request failed. ``transient``: a retry may succeed."""
+
+    def __init__(self, message: str, transient: bool) -> None:
+        super().__init__(message)
+        self.transient = transient
+
+    def __str__(self) -> str:  # OSError would format its args
+        return self.args[0] if self.args else ""
+
+
+class RemoteNotFoundError(RemoteError, FileNotFoundError):
+    """The remote object, prefix or bucket does not exist."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, transient=False)
+
+
+class RemoteAccessError(RemoteError, PermissionError):
+    """The remote refused us: access denied, bad or expired credentials."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, transient=False)

@@ -1,4 +1,4 @@
-"""Names only: how steps, shards, manifests and temporary files are spelled on disk.
+"""Names only: how every file and object tieredckpt writes is spelled.
 
     RUN_DIR/
       step_000100/            one committed checkpoint (exists => complete)
@@ -7,6 +7,18 @@
       step_000200.tmp-<pid>-<hex>/   a checkpoint being written (never listed)
       latest                  text file naming the newest committed step dir
       .loss.json .samples.json .state.json    the run's side files
+      archive/pivot_step_NNNNNN/              samples and state archived at a pivot
+      provenance.json         where a forked run came from
+      .uploads.json           the uploader's status (local only, never uploaded)
+      .lock                   the writer's lock (flock) and who holds it
+      quarantine/step_000300.<unix>/  a refused copy, moved aside (never deleted by us)
+
+    REMOTE_ROOT/
+      step_000100/rank0.bin.p00000 ...   parts of each shard
+      step_000100/upload.json            written last: the remote commit marker
+      latest                             newest uploaded step (a hint, confirmed on use)
+      writer.json                        the owning writer's lease and heartbeat
+      run/.loss.json ...                 the side files (only the names above)
 """
 
 from __future__ import annotations
@@ -17,6 +29,20 @@ import secrets
 
 MANIFEST = "manifest.json"
 LATEST = "latest"
+UPLOAD_MANIFEST = "upload.json"
+WRITER_LEASE = "writer.json"
+RUN_PREFIX = "run"
+STATUS_FILE = ".uploads.json"
+LOCK_FILE = ".lock"
+LOSS = ".loss.json"
+SAMPLES = ".samples.json"
+STATE = ".state.json"
+ARCHIVE = "archive"
+PROVENANCE = "provenance.json"
+QUARANTINE = "quarantine"
+SIDE_FILES = (LOSS, SAMPLES, STATE)
+SYNCED_FILES = (LOSS, SAMPLES, STATE, PROVENANCE)  # travel with the run to the remote
+_ARCHIVE_RE = re.compile(r"^archive/pivot_step_\d{6,}(?:-\d+)?/[\w.-]+$")
 STEP_DIGITS = 6
 
 _STEP_RE = re.compile(r"^step_(\d{6,})$")
@@ -51,3 +77,12 @@ def scratch_owner_pid(name: str) -> int | None:
     """The pid that created a scratch entry, or None if ``name`` is not scratch."""
     match = _SCRATCH_RE.match(name)
     return int(match.group(1)) if match else None
+
+
+def part_name(shard: str, index: int) -> str:
+    return f"{shard}.p{index:05d}"
+
+
+def is_synced_name(rel: str) -> bool:
+    """True for the side-file names a run keeps on its remote (nothing else is ever fetched)."""
+    return rel in SYNCED_FILES or (bool(_ARCHIVE_RE.match(rel)) and rel.rsplit("/", 1)[-1] not in (".", ".."))

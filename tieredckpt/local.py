@@ -14,23 +14,27 @@ A crash between any two steps leaves a consistent run directory.
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from . import layout
-from .atomic import atomic_write_bytes, clean_stale, remove_dir
-from .errors import CheckpointNotFoundError
+from .atomic import atomic_write_bytes, building, clean_stale, fsync_dir, remove_dir
+from .errors import CheckpointNotFoundError, NotARunDirectoryError
 from .manifest import ShardManifest
 from .retention import KeepLast, Policy, plan_eviction
-from .sharded import load_sharded, read_manifest, save_sharded, verify_checkpoint
+from .sharded import (load_sharded, read_manifest, save_sharded, verify_checkpoint, verify_checkpoint_files,
+                      write_manifest)
 
 
 class LocalTier:
-    def __init__(self, root: str | os.PathLike, *, create: bool = True) -> None:
+    def __init__(self, root: str | os.PathLike, *, create: bool = True, must_exist: bool = True) -> None:
         self.root = Path(root)
+        if self.root.exists() and not self.root.is_dir():
+            raise NotARunDirectoryError(f"{self.root}: is a file, not a run directory")
         if create:
             self.root.mkdir(parents=True, exist_ok=True)
-        elif not self.root.is_dir():
+        elif must_exist and not self.root.is_dir():
             raise CheckpointNotFoundError(f"{self.root}: no such run directory")
         self._cleaned = False
 
@@ -40,6 +44,8 @@ class LocalTier:
     def steps(self) -> list[int]:
         """Committed steps, oldest first. Scratch and half-deleted dirs never appear."""
         found = []
+        if not self.root.is_dir():
+            return found
         for entry in os.scandir(self.root):
             step = layout.parse_step_dir(entry.name)
             if step is not None and os.path.exists(os.path.join(entry.path, layout.MANIFEST)):
@@ -64,10 +70,52 @@ class LocalTier:
         return manifest
 
     def update_latest(self) -> None:
-        """Point ``latest`` at the newest committed step (atomic replace)."""
+        """Point ``latest`` at the newest committed step (atomic replace); none left: remove it."""
         newest = self.latest_step()
-        if newest is not None and newest != self.latest_pointer():
+        if newest is None:
+            if (self.root / layout.LATEST).exists():
+                os.unlink(self.root / layout.LATEST)
+        elif newest != self.latest_pointer():
             atomic_write_bytes(self.root / layout.LATEST, (layout.step_dir_name(newest) + "\n").encode())
+
+    def download(self, step: int, remote, verify: str = "crc", progress=None) -> ShardManifest:
+        """Bring remote ``step`` here with the same protocol as a save: parts into scratch,
+        every file verified against the manifest, the manifest last, the atomic rename."""
+        upload = remote.upload_manifest(step)
+        manifest = upload.shard_manifest
+        self.clear_leftover(step)
+        with building(self.step_path(step)) as tmp:
+            remote.fetch_files(upload, upload.files, tmp, progress)
+            verify_checkpoint_files(tmp, manifest, full=verify == "sha256")
+            write_manifest(tmp, manifest)
+        self.update_latest()
+        return manifest
+
+    def clear_leftover(self, step: int) -> None:
+        """A step directory without a manifest is not a checkpoint: move it aside so the
+        step number can be written again (it is kept under quarantine/, never deleted)."""
+        path = self.step_path(step)
+        if path.is_dir() and not (path / layout.MANIFEST).exists():
+            self.quarantine(step, "a step directory without a manifest (an interrupted copy)")
+
+    def quarantine(self, step: int, reason: str) -> Path:
+        """Move step ``step`` aside to ``quarantine/`` (one atomic rename) with a note of why."""
+        where = self.root / layout.QUARANTINE
+        where.mkdir(exist_ok=True)
+        dest = where / f"{layout.step_dir_name(step)}.{int(time.time())}"
+        n = 1
+        while dest.exists():
+            dest, n = where / f"{layout.step_dir_name(step)}.{int(time.time())}-{n}", n + 1
+        os.rename(self.step_path(step), dest)
+        fsync_dir(self.root)
+        fsync_dir(where)
+        try:
+            (dest / "QUARANTINED.txt").write_text(reason + "\n")
+        except OSError:
+            pass
+        if self.latest_pointer() == step:
+            self.update_latest()
+        return dest
 
     def manifest(self, step: int) -> ShardManifest:
         return read_manifest(self.require(step))

@@ -38,13 +38,9 @@ import torch
 
 from . import layout
 from .atomic import commit_dir, fsync_dir, make_scratch_dir
-from .errors import CheckpointExistsError, TieredCkptError
+from .errors import CheckpointExistsError, DistributedCommitError
 from .manifest import ShardEntry, ShardManifest
 from .sharded import state_numel, write_manifest, write_rank
-
-
-class DistributedCommitError(TieredCkptError):
-    """Another rank failed to write or commit its part; nothing was committed."""
 
 
 class RankGroup:

@@ -1,4 +1,4 @@
-"""The remote tier: any fsspec URL (s3://, file://, memory://, ...).
+"""The remote tier: moving checkpoints to and from any fsspec URL (s3://, file://, memory://...).
 
 Object stores have no rename, so the commit marker is the upload manifest:
 
@@ -8,173 +8,158 @@ Object stores have no rename, so the commit marker is the upload manifest:
     ROOT/latest                             newest uploaded step, written after upload.json
     ROOT/run/.loss.json ...                 the run directory's side files
 
-Upload order: side files -> every part -> upload.json -> latest. Parts are
-encoded on the calling thread while a small pool sends the previous ones, so
-compression overlaps the transfer. Each part records the checksum of its stored
-bytes and of its raw bytes; the embedded checkpoint manifest carries each
-file's whole-file crc32c and sha256.
+Upload order: side files -> every part -> a listing confirming every part ->
+upload.json -> latest. Parts are encoded on the calling thread while a small
+pool sends the previous ones. Each part records the checksum of its stored and
+of its raw bytes; the embedded checkpoint manifest carries each file's crc32c
+and sha256.
 
-Download order (into the local tier, same protocol as a save): parts fetched in
-parallel into a scratch directory, stored and raw checksums checked, whole
-files verified against the manifest, manifest.json written last, renamed.
+Download: parts are fetched in parallel into files of a scratch directory the
+caller owns (the local tier commits it); every size read from the remote is
+bounded before anything is allocated, and decoding streams into the file.
 
-Every backend error is mapped here to RemoteError naming the object (never a
-credential); ``RemoteError.transient`` says whether a retry may help.
+Requests, deadlines and error mapping are transport.py's; this module never
+calls the filesystem itself.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
-import re
-import shutil
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
-import fsspec
-
 from . import layout
-from .atomic import atomic_write_bytes, commit_dir, make_scratch_dir
-from .checksum import crc32c_update, crc_hex, file_digest, map_file
-from .codec import decode, encode
-from .credentials import redact_url, scrub, secret_values, url_secrets
-from .errors import CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError, TieredCkptError
-from .manifest import ShardManifest, check_relative_path
+from .atomic import atomic_write_bytes
+from .checksum import crc32c_update, crc_hex, map_file
+from .codec import decode_into, encode
+from .errors import CheckpointNotFoundError, CorruptCheckpointError, ManifestError, RemoteError, RemoteNotFoundError
+from .manifest import ShardManifest
 from .memview import byte_view
-from .sharded import read_manifest, shard_path, verify_checkpoint_files, write_manifest
-from .uploadmanifest import PartEntry, UploadedFile, UploadManifest
+from .sharded import shard_path
+from .transport import REQUEST_TIMEOUT, Transport
+from .uploadmanifest import MAX_UPLOAD_MANIFEST, PartEntry, UploadedFile, UploadManifest
 
-UPLOAD_MANIFEST = "upload.json"
-RUN_PREFIX = "run"
 PART_SIZE = 64 << 20
-SIDE_NAMES = (".loss.json", ".samples.json", ".state.json", "provenance.json")
-
-
-class RemoteError(TieredCkptError, OSError):
-    """A remote operation failed. ``transient``: a retry may succeed."""
-
-    def __init__(self, message: str, transient: bool) -> None:
-        super().__init__(message)
-        self.transient = transient
-
-
-class RemoteNotFoundError(RemoteError, FileNotFoundError):
-    """The remote object, prefix or bucket does not exist."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message, transient=False)
+MAX_SIDE_FILE = 1 << 30  # a side file larger than this is not one we wrote
+_POINTER_MAX = 256
 
 
 class RemoteTier:
-    def __init__(self, url: str, options: dict | None = None, *, fs: fsspec.AbstractFileSystem | None = None,
-                 part_size: int = PART_SIZE, concurrency: int = 4) -> None:
-        self.options = dict(options or {})
-        self.display_url = redact_url(url)
-        self._secrets = secret_values(self.options) + secret_values(dict(os.environ), env=True) + url_secrets(url)
-        if fs is None:
-            options = dict(self.options)
-            if fsspec.core.split_protocol(url)[0] in (None, "file", "local"):
-                options.setdefault("auto_mkdir", True)  # object stores need no directories; disks do
-            try:
-                fs, root = fsspec.core.url_to_fs(url, **options)
-            except (ImportError, ValueError, TypeError) as exc:
-                raise TieredCkptError(self.scrub(f"{self.display_url}: cannot open this remote ({exc})")) from None
-        else:
-            root = fs._strip_protocol(url)
-        self.fs = fs
-        self.root = root.rstrip("/")
+    def __init__(self, url: str, options: dict | None = None, *, fs=None, part_size: int = PART_SIZE,
+                 concurrency: int = 4, request_timeout: float = REQUEST_TIMEOUT) -> None:
+        self.t = Transport(url, options, fs=fs, request_timeout=request_timeout)
+        self.display_url = self.t.display_url
         self.part_size = part_size
         self.concurrency = concurrency
 
-    # ---- names --------------------------------------------------------------------------
+    @property
+    def fs(self):
+        return self.t.fs
 
     def path(self, *parts: str) -> str:
-        return "/".join([self.root, *parts])
-
-    def step_path(self, step: int) -> str:
-        return self.path(layout.step_dir_name(step))
+        return self.t.path(*parts)
 
     def where(self, *parts: str) -> str:
-        """A remote object's name for messages: the URL without credentials."""
-        return "/".join([self.display_url.rstrip("/"), *parts])
+        return self.t.where(*parts)
+
+    def scrub(self, text: str) -> str:
+        return self.t.scrub(text)
 
     # ---- listing ------------------------------------------------------------------------
 
+    def step_dirs(self) -> list[int]:
+        """Steps that have a directory on the remote, committed or not (one delimiter listing)."""
+        return sorted(s for s in map(layout.parse_step_dir, self.t.list_dirs()) if s is not None)
+
     def steps(self) -> list[int]:
         """Steps whose upload manifest exists (the only ones that exist for a reader)."""
-        return sorted(s for s, committed in self._step_dirs().items() if committed)
+        return sorted(s for s, committed in self._step_objects().items() if committed)
 
     def uncommitted(self) -> list[int]:
         """Step directories holding data but no upload manifest: a half-finished upload."""
-        return sorted(s for s, committed in self._step_dirs().items() if not committed)
+        return sorted(s for s, committed in self._step_objects().items() if not committed)
 
-    def _step_dirs(self) -> dict[int, bool]:
-        def listing():
-            self.fs.invalidate_cache()
-            try:
-                entries = self.fs.find(self.root, withdirs=False, detail=False)
-            except FileNotFoundError:
-                return []
-            return entries
+    def _step_objects(self) -> dict[int, bool]:
         found: dict[int, bool] = {}
-        prefix = self.root + "/"
-        for entry in self.call(listing, "list"):
-            rel = entry[len(prefix):] if entry.startswith(prefix) else entry
-            head, _, rest = rel.partition("/")
-            step = layout.parse_step_dir(head)
-            if step is not None:
-                found[step] = found.get(step, False) or rest == UPLOAD_MANIFEST
+        for rel in self.t.list_files(""):
+            top, _, rest = rel.partition("/")
+            step = layout.parse_step_dir(top)
+            if step is not None and rest:
+                found[step] = found.get(step, False) or rest == layout.UPLOAD_MANIFEST
         return found
 
+    def newest_object_time(self, step: int) -> float | None:
+        """When the newest object of a step directory was written (for gc's grace period)."""
+        times = [t for _, t in self.t.list_times(layout.step_dir_name(step)).values() if t is not None]
+        return max(times) if times else None
+
+    def is_committed(self, step: int) -> bool:
+        return self.t.exists(f"{layout.step_dir_name(step)}/{layout.UPLOAD_MANIFEST}")
+
+    def newest_step(self) -> int | None:
+        """The newest committed step: two requests when the ``latest`` pointer is right (read it,
+        confirm its upload manifest); otherwise the step directories, newest first."""
+        pointer = self.latest_pointer()
+        if pointer is not None and self.is_committed(pointer):
+            return pointer
+        for step in reversed(self.step_dirs()):
+            if self.is_committed(step):
+                return step
+        return None
+
     def upload_manifest(self, step: int) -> UploadManifest:
-        path = self.path(layout.step_dir_name(step), UPLOAD_MANIFEST)
-        where = self.where(layout.step_dir_name(step), UPLOAD_MANIFEST)
+        rel = f"{layout.step_dir_name(step)}/{layout.UPLOAD_MANIFEST}"
         try:
-            text = self.call(lambda: self.fs.cat_file(path), f"read {UPLOAD_MANIFEST}", missing_ok=False)
-        except FileNotFoundError:
-            raise CheckpointNotFoundError(f"{where}: no uploaded checkpoint for step {step}") from None
-        return UploadManifest.from_json(text, where)
+            text = self.t.get(rel, MAX_UPLOAD_MANIFEST)
+        except RemoteNotFoundError:
+            raise CheckpointNotFoundError(f"{self.where(rel)}: no uploaded checkpoint for step {step}") from None
+        except RemoteError as exc:
+            if exc.transient:
+                raise
+            raise ManifestError(str(exc)) from None
+        upload = UploadManifest.from_json(text, self.where(rel))
+        if upload.step != step:
+            raise ManifestError(f"{self.where(rel)}: names step {upload.step}, but it lies in the directory of "
+                                f"step {step} (copied or planted?)")
+        return upload
 
     def latest_pointer(self) -> int | None:
-        try:
-            text = self.call(lambda: self.fs.cat_file(self.path(layout.LATEST)), "read latest", missing_ok=False)
-        except FileNotFoundError:
-            return None
-        return layout.parse_step_dir(text.decode(errors="replace").strip())
+        data = self.t.get_optional(layout.LATEST, _POINTER_MAX)
+        return None if data is None else layout.parse_step_dir(data.decode(errors="replace").strip())
+
+    def write_latest(self, step: int) -> None:
+        self.t.put(layout.LATEST, (layout.step_dir_name(step) + "\n").encode())
 
     # ---- upload -------------------------------------------------------------------------
 
-    def upload(self, local_dir: Path, codec: str = "zstd-planes", level: int = 1,
+    def upload(self, local_dir: Path, manifest: ShardManifest, codec: str = "zstd-planes", level: int = 1,
                done: dict | None = None, progress: Callable[[int], None] | None = None) -> UploadManifest:
-        """Send a committed local checkpoint; upload.json goes last. ``done`` carries parts
-        already sent (by remote path) across retries so a retry resumes instead of restarting."""
-        manifest = read_manifest(local_dir)
+        """Send a committed local checkpoint; upload.json goes last."""
         files = self.send_files(local_dir, manifest, manifest.shards, codec, level, done, progress)
         return self.commit_upload(manifest, codec, files)
 
     def send_files(self, local_dir: Path, manifest: ShardManifest, shards, codec: str, level: int = 1,
                    done: dict | None = None, progress=None) -> list[UploadedFile]:
-        """Send the parts of ``shards`` (entries of ``manifest``) and confirm they all arrived."""
+        """Send the parts of ``shards`` (entries of ``manifest``). ``done`` carries parts already
+        sent (by remote path) across attempts, so a retry resumes instead of restarting."""
         step_dir = layout.step_dir_name(manifest.step)
         done = {} if done is None else done
-        files = [UploadedFile(shard.path, shard.size,
-                              self._upload_file(shard_path(local_dir, shard), shard.path, shard.size, step_dir,
-                                                codec, level, done, progress))
-                 for shard in shards]
-        self._confirm_parts(step_dir, files, done)
-        return files
+        return [UploadedFile(shard.path, shard.size,
+                             self._upload_file(shard_path(local_dir, shard), shard.path, shard.size, step_dir,
+                                               codec, level, done, progress))
+                for shard in shards]
 
-    def commit_upload(self, manifest: ShardManifest, codec: str, files: list[UploadedFile]) -> UploadManifest:
-        """Write upload.json -- the commit marker -- once every file of every rank is sent."""
+    def commit_upload(self, manifest: ShardManifest, codec: str, files: list[UploadedFile],
+                      done: dict | None = None) -> UploadManifest:
+        """Confirm every part of every rank is on the remote, then write upload.json -- the commit marker."""
         step_dir = layout.step_dir_name(manifest.step)
+        self._confirm_parts(step_dir, files, {} if done is None else done)
         upload = UploadManifest(manifest.step, codec, files, json.loads(manifest.to_json()), time.time())
-        data = upload.to_json().encode()
-        self.call(lambda: self.fs.pipe_file(self.path(step_dir, UPLOAD_MANIFEST), data),
-                  f"write {step_dir}/{UPLOAD_MANIFEST}")
+        self.t.put(f"{step_dir}/{layout.UPLOAD_MANIFEST}", upload.to_json().encode())
         return upload
 
     def _confirm_parts(self, step_dir: str, files: list[UploadedFile], done: dict) -> None:
@@ -184,17 +169,13 @@ class RemoteTier:
         meanwhile, writing upload.json would publish a partial checkpoint. Missing
         parts are forgotten (so the next attempt re-sends them) and the attempt fails.
         """
-        def listing():
-            self.fs.invalidate_cache()
-            return self.fs.find(self.path(step_dir), detail=True)
-        present = {path.rstrip("/"): info.get("size") for path, info in self.call(listing, f"list {step_dir}").items()}
+        present = self.t.list_files(step_dir)
         missing = []
         for f in files:
             for part in f.parts:
-                remote = self.path(step_dir, part.path)
-                if present.get(self.fs._strip_protocol(remote)) != part.stored_size:
+                if present.get(part.path) != part.stored_size:
                     missing.append(part.path)
-                    done.pop(remote, None)
+                    done.pop(self.path(step_dir, part.path), None)
         if missing:
             raise RemoteError(f"{self.where(step_dir)}: {len(missing)} uploaded part(s) are missing or short "
                               f"on the remote (first: {missing[0]}); sending them again", transient=True)
@@ -205,12 +186,13 @@ class RemoteTier:
         in_flight = threading.BoundedSemaphore(self.concurrency + 1)
         errors: list[BaseException] = []
 
-        def send(remote, stored, raw_size):
+        def send(rel, remote, entry, stored):
             try:
                 if not errors:
-                    self.call(lambda: self.fs.pipe_file(remote, stored), f"write {remote}")
+                    self.t.put(rel, stored)
+                    done[remote] = entry
                     if progress:
-                        progress(raw_size)
+                        progress(entry.raw_size)
             except BaseException as exc:  # noqa: BLE001 - handed to the caller below
                 errors.append(exc)
             finally:
@@ -218,8 +200,8 @@ class RemoteTier:
 
         with ThreadPoolExecutor(self.concurrency, thread_name_prefix="tieredckpt-upload") as pool:
             for i, offset in enumerate(range(0, max(size, 1), self.part_size)):
-                rel = f"{name}.p{i:05d}"
-                remote = self.path(step_dir, rel)
+                part = layout.part_name(name, i)
+                remote = self.path(step_dir, part)
                 raw = buf[offset:offset + self.part_size]
                 raw_crc = crc_hex(crc32c_update(byte_view(raw)))
                 cached = done.get(remote)
@@ -227,81 +209,33 @@ class RemoteTier:
                     parts.append(cached)  # sent by an earlier attempt
                     continue
                 stored = encode(raw, codec, level)  # overlaps the sends already in flight
-                entry = PartEntry(rel, offset, raw.numel(), len(stored), raw_crc,
-                                  crc_hex(crc32c_update(stored)))
+                entry = PartEntry(part, offset, raw.numel(), len(stored), raw_crc, crc_hex(crc32c_update(stored)))
                 parts.append(entry)
                 in_flight.acquire()
                 if errors:
                     in_flight.release()
                     break
-                pool.submit(send, remote, stored, raw.numel()).add_done_callback(
-                    lambda f, remote=remote, entry=entry: (not f.exception() and not errors) and done.__setitem__(remote, entry))
+                pool.submit(send, f"{step_dir}/{part}", remote, entry, stored)
         if errors:
             raise errors[0]
         return parts
 
-    def _read_object(self, path: str, size: int) -> bytes:
-        """One whole object in one request: s3fs's cat_file costs ~2x the time and CPU of
-        a single unbuffered read of the same object (measured against moto)."""
-        with self.fs.open(path, "rb", block_size=max(size, 5 << 20), cache_type="none") as f:
-            return f.read()
-
-    def write_latest(self, step: int) -> None:
-        data = (layout.step_dir_name(step) + "\n").encode()
-        self.call(lambda: self.fs.pipe_file(self.path(layout.LATEST), data), "write latest")
-
     # ---- download -----------------------------------------------------------------------
 
-    def download(self, step: int, dest: Path, verify: str = "crc",
-                 progress: Callable[[int], None] | None = None) -> ShardManifest:
-        """Fetch a remote checkpoint into ``dest`` (a local step dir) with the local commit protocol."""
-        upload = self.upload_manifest(step)
-        manifest = upload.shard_manifest
-        if dest.exists():
-            raise CheckpointExistsError(f"{dest}: a checkpoint is already committed here")
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        tmp = make_scratch_dir(dest)
-        try:
-            self._fetch_files(step, upload, upload.files, tmp, progress)
-            verify_checkpoint_files(tmp, manifest, full=verify == "sha256")
-            write_manifest(tmp, manifest)  # last, as in a save
-            commit_dir(tmp, dest)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        return manifest
+    def fetch_files(self, upload: UploadManifest, files: list[UploadedFile], dest: Path,
+                    progress: Callable[[int], None] | None = None) -> None:
+        """Fetch every part of ``files`` in parallel into new files under ``dest``, fsynced.
 
-    def download_shard(self, step: int, rank: int, root: Path) -> tuple[Path, ShardManifest]:
-        """Fetch one rank's shard into a new scratch dir under ``root``; verified (crc32c)."""
-        upload = self.upload_manifest(step)
-        manifest = upload.shard_manifest
-        if not 0 <= rank < manifest.world_size:
-            raise CheckpointNotFoundError(f"{self.where(layout.step_dir_name(step))}: has no rank {rank} "
-                                          f"(world_size {manifest.world_size})")
-        tmp = make_scratch_dir(root / layout.step_dir_name(step))
-        try:
-            self._fetch_files(step, upload, [upload.files[rank]], tmp, None)
-            entry = manifest.shards[rank]
-            got = file_digest(tmp / entry.path, sha256=False)
-            if got.crc32c != entry.crc32c:
-                raise CorruptCheckpointError(f"{self.where(layout.step_dir_name(step), entry.path)}: "
-                                             f"crc32c {got.crc32c} differs from the manifest's {entry.crc32c}")
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        return tmp, manifest
-
-    def _fetch_files(self, step: int, upload: UploadManifest, files: list[UploadedFile], tmp: Path, progress) -> None:
-        """Fetch every part of ``files`` in parallel into new files under ``tmp``, fsynced."""
+        ``dest`` is a scratch directory the caller commits (or discards)."""
         jobs, fds = [], []
         try:
             for f in files:
-                fd = os.open(tmp / f.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+                fd = os.open(dest / f.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
                 fds.append(fd)
                 os.ftruncate(fd, f.size)
-                jobs += [(fd, part, upload.codec) for part in f.parts]
+                jobs += [(fd, part) for part in f.parts]
             with ThreadPoolExecutor(self.concurrency, thread_name_prefix="tieredckpt-download") as pool:
-                for _ in pool.map(lambda job: self._fetch_part(step, *job, progress), jobs):
+                for _ in pool.map(lambda job: self._fetch_part(upload, *job, progress), jobs):
                     pass
             for fd in fds:
                 os.fsync(fd)
@@ -309,106 +243,93 @@ class RemoteTier:
             for fd in fds:
                 os.close(fd)
 
-    def _fetch_part(self, step: int, fd: int, part: PartEntry, codec: str, progress) -> None:
-        rel = f"{layout.step_dir_name(step)}/{part.path}"
-        stored = self.call(lambda: self._read_object(self.path(rel), part.stored_size), f"read {rel}")
-        if len(stored) != part.stored_size or crc_hex(crc32c_update(stored)) != part.stored_crc32c:
+    def _fetch_part(self, upload: UploadManifest, fd: int, part: PartEntry, progress) -> None:
+        rel = f"{layout.step_dir_name(upload.step)}/{part.path}"
+        stored = self.t.get(rel, part.stored_size)  # never more than the manifest declares
+        got = crc_hex(crc32c_update(stored))
+        if len(stored) != part.stored_size or got != part.stored_crc32c:
             raise CorruptCheckpointError(
-                f"{self.where(rel)}: {len(stored)} bytes with crc32c {crc_hex(crc32c_update(stored))}, "
-                f"the upload manifest records {part.stored_size} bytes with {part.stored_crc32c} (corrupt remote object)")
-        raw = decode(stored, codec, part.raw_size, self.where(rel))
-        if crc_hex(crc32c_update(raw)) != part.raw_crc32c:
+                f"{self.where(rel)}: {len(stored)} bytes with crc32c {got}, the upload manifest records "
+                f"{part.stored_size} bytes with {part.stored_crc32c} (corrupt remote object)")
+        crc, offset = 0, part.offset
+
+        def write(chunk: memoryview) -> None:
+            nonlocal crc, offset
+            crc = crc32c_update(chunk, crc)
+            written = 0
+            while written < len(chunk):
+                written += os.pwrite(fd, chunk[written:], offset + written)
+            offset += len(chunk)
+        decode_into(stored, upload.codec, part.raw_size, write, self.where(rel))
+        if crc_hex(crc) != part.raw_crc32c:
             raise CorruptCheckpointError(f"{self.where(rel)}: decoded bytes fail their crc32c (corrupt remote object)")
-        view = memoryview(raw)
-        written = 0
-        while written < len(view):
-            written += os.pwrite(fd, view[written:], part.offset + written)
         if progress:
             progress(part.raw_size)
 
-    # ---- deletion and retention ---------------------------------------------------------
+    # ---- deletion -----------------------------------------------------------------------
 
     def delete(self, step: int) -> None:
-        """Remove a remote step: its upload manifest first (it stops existing), then its data."""
+        """Remove a remote step: its upload manifest first (it stops existing), then its data.
+
+        Only the owning writer calls this (see lease.py)."""
         step_dir = layout.step_dir_name(step)
-        marker = self.path(step_dir, UPLOAD_MANIFEST)
-        self.call(lambda: self.fs.rm_file(marker) if self.fs.exists(marker) else None, f"delete {step_dir}/{UPLOAD_MANIFEST}")
-        self.call(lambda: self.fs.rm(self.path(step_dir), recursive=True), f"delete {step_dir}", missing_ok=True)
+        self.t.rm(f"{step_dir}/{layout.UPLOAD_MANIFEST}")
+        self.t.rm_tree(step_dir)
 
     # ---- side files ---------------------------------------------------------------------
 
     def put_side_files(self, run_dir: Path) -> int:
         """Upload the run directory's side files and archives; returns how many."""
         count = 0
-        for rel in side_files(run_dir):
+        for rel in local_side_files(run_dir):
             data = (run_dir / rel).read_bytes()
-            self.call(lambda: self.fs.pipe_file(self.path(RUN_PREFIX, rel), data), f"write {RUN_PREFIX}/{rel}")
+            self.t.put(f"{layout.RUN_PREFIX}/{rel}", data)
             count += 1
         return count
 
-    def get_side_files(self, run_dir: Path) -> list[str]:
-        """Download side files the local run directory lacks (a fresh machine)."""
-        prefix = self.path(RUN_PREFIX) + "/"
+    def get_side_files(self, run_dir: Path, warn: Callable[[str], None] | None = None) -> list[str]:
+        """Fetch each side file the run directory lacks, or holds a shorter copy of.
 
-        def listing():
-            self.fs.invalidate_cache()
-            try:
-                return self.fs.find(self.path(RUN_PREFIX), detail=False)
-            except FileNotFoundError:
-                return []
+        Only the names tieredckpt writes (layout.is_synced_name) are ever read; anything
+        else under ``run/`` is ignored with a warning. ``.loss.json`` is append-only, so a
+        local copy is replaced only by a longer remote one that starts with it... or, when
+        they diverge, merged by step (see runlog.merge_loss).
+        """
+        from .runlog import merge_loss
         fetched = []
-        for entry in self.call(listing, "list run files"):
-            rel = entry[len(prefix):] if entry.startswith(prefix) else None
-            if not rel:
+        for rel, size in sorted(self.t.list_files(layout.RUN_PREFIX).items()):
+            if not layout.is_synced_name(rel) or size > MAX_SIDE_FILE:
+                if warn:
+                    warn(f"{self.where(layout.RUN_PREFIX, rel)}: not a file tieredckpt writes; ignored")
                 continue
-            check_relative_path(rel, self.where(RUN_PREFIX))
             target = run_dir / rel
-            if target.exists():
+            if rel == layout.LOSS and target.exists():
+                local = target.read_bytes()
+                if size <= len(local):
+                    continue
+                merged = merge_loss(local, self.t.get(f"{layout.RUN_PREFIX}/{rel}", MAX_SIDE_FILE))
+                if merged != local:
+                    atomic_write_bytes(target, merged)
+                    fetched.append(rel)
                 continue
+            if target.exists():
+                continue  # the local copy is the newer one
+            data = self.t.get(f"{layout.RUN_PREFIX}/{rel}", MAX_SIDE_FILE)
             target.parent.mkdir(parents=True, exist_ok=True)
-            data = self.call(lambda: self.fs.cat_file(entry), f"read {RUN_PREFIX}/{rel}")
             atomic_write_bytes(target, data)
             fetched.append(rel)
         return fetched
 
-    # ---- error mapping ------------------------------------------------------------------
-
-    def call(self, fn, what: str, missing_ok: bool = False):
-        """Run one backend operation; map its errors to RemoteError (credentials scrubbed)."""
-        try:
-            return fn()
-        except TieredCkptError:
-            raise
-        except FileNotFoundError as exc:
-            if missing_ok:
-                return None
-            raise RemoteNotFoundError(self.scrub(f"{self.display_url}: {what} failed: not found ({exc})")) from None
-        except Exception as exc:  # noqa: BLE001 - every backend error is mapped here
-            message = self.scrub(f"{self.display_url}: {what} failed: {type(exc).__name__}: {exc}")
-            raise RemoteError(message, transient=is_transient(exc)) from None
-
-    def scrub(self, text: str) -> str:
-        return scrub(text, self._secrets)
+    def close(self) -> None:
+        self.t.close()
 
 
-def is_transient(exc: BaseException) -> bool:
-    """True for errors a retry may fix: connection trouble, timeouts, 5xx, throttling."""
-    if isinstance(exc, (PermissionError, FileNotFoundError, NotADirectoryError, IsADirectoryError,
-                        ValueError, TypeError, TieredCkptError)):
-        return False
-    if isinstance(exc, (ConnectionError, TimeoutError, asyncio.TimeoutError)):
-        return True
-    text = f"{type(exc).__name__} {exc}"
-    if re.search(r"\b(5\d\d|SlowDown|Throttl|RequestTimeout|ServiceUnavailable|InternalError|"
-                 r"Connect|Timeout|reset|Broken pipe|EOF|temporar)", text, re.IGNORECASE):
-        return True
-    return isinstance(exc, OSError)  # other I/O trouble: worth a retry
-
-
-def side_files(run_dir: Path) -> list[str]:
-    names = [n for n in SIDE_NAMES if (run_dir / n).is_file()]
-    archive = run_dir / "archive"
+def local_side_files(run_dir: Path) -> list[str]:
+    """The side files of ``run_dir`` that travel with it to the remote."""
+    names = [n for n in layout.SYNCED_FILES if (run_dir / n).is_file()]
+    archive = run_dir / layout.ARCHIVE
     if archive.is_dir():
-        names += sorted(str(p.relative_to(run_dir)) for p in archive.rglob("*")
-                        if p.is_file() and layout.scratch_owner_pid(p.parent.name) is None)
+        names += sorted(rel for rel in (str(p.relative_to(run_dir)) for p in archive.rglob("*") if p.is_file())
+                        if layout.is_synced_name(rel))
     return names
+

@@ -15,37 +15,50 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import warnings
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-from .atomic import commit_dir, fsync_dir, remove_dir
-from .errors import CheckpointNotFoundError, CorruptCheckpointError, IncompatibleStateError
+from . import layout
+from .atomic import building, fsync_dir, scratch_dir
+from .checksum import file_digest
+from .errors import (CheckpointNotFoundError, CorruptCheckpointError, DistributedCommitError,
+                     IncompatibleStateError, RemoteError)
 from .local import LocalTier
 from .manifest import ShardManifest
-from .ranks import DistributedCommitError, RankGroup
+from .ranks import RankGroup
 from .remote import RemoteTier
 from .reshard import reshard as reshard_states
 from .shardfile import read_shard
-from .sharded import load_rank, shard_path, write_manifest
+from .sharded import load_rank, load_sharded_files, shard_path, write_manifest
 
 log = logging.getLogger("tieredckpt")
 
 
 class Restorer:
     def __init__(self, local: LocalTier, remote: RemoteTier | None, ranks: RankGroup | None,
-                 verify: str, node_leader: bool = True) -> None:
+                 verify: str, node_leader: bool = True, read_only: bool = False) -> None:
         self.local, self.remote, self.ranks = local, remote, ranks
-        self.verify, self.node_leader = verify, node_leader
+        self.verify, self.node_leader, self.read_only = verify, node_leader, read_only
         self.rank = ranks.rank if ranks else 0
 
     def choose(self, step: int | None) -> tuple[int | None, list[int], list[int]]:
-        """(step to restore or None, local steps, remote steps)."""
+        """(step to restore or None, local steps, remote steps).
+
+        A remote that cannot be listed (an outage) leaves the local steps; with none
+        of those either, that is an error, never "no checkpoint yet"."""
         local_steps = self.local.steps()
-        remote_steps = self.remote.steps() if self.remote is not None else []
+        remote_steps: list[int] = []
+        if self.remote is not None:
+            try:
+                remote_steps = self.remote.steps()
+            except RemoteError as exc:
+                if not exc.transient or (not local_steps and step is None):
+                    raise RemoteError(f"{exc}; cannot tell which checkpoints the remote holds, so nothing "
+                                      "is restored (starting from scratch could lose a run)", exc.transient) from None
+                _warn(f"{exc}; restoring from the local checkpoints only")
         candidates = sorted(set(local_steps) | set(remote_steps))
         if self.ranks is not None:  # only a step that every rank can restore
             every = self.ranks.all_gather_json(candidates)
@@ -86,12 +99,11 @@ class Restorer:
             except (CorruptCheckpointError, FileNotFoundError):
                 if self.remote is None:
                     raise
-                scratch, _ = self.remote.download_shard(step, entry.rank, self.local.root)
-                try:  # the mapping outlives the scratch file
-                    states.append(read_shard(scratch / entry.path, size=entry.size, crc32c=entry.crc32c,
+                upload = self.remote.upload_manifest(step)
+                with self._scratch(step) as tmp:  # the mapping outlives the scratch file
+                    self._fetch_shard(upload, entry, tmp)
+                    states.append(read_shard(tmp / entry.path, size=entry.size, crc32c=entry.crc32c,
                                              verify=self.verify))
-                finally:
-                    shutil.rmtree(scratch, ignore_errors=True)
         spans = [(e.param_shard_offset, e.param_shard_numel) for e in manifest.shards]
         world = self.ranks.world_size if self.ranks else 1
         log.info("resharding step %d from %d to %d ranks", step, manifest.world_size, world)
@@ -124,26 +136,29 @@ class Restorer:
                 _warn(f"{exc}; fetching rank {self.rank}'s shard of step {step} from the remote")
         elif step not in remote_steps:
             raise CheckpointNotFoundError(f"step {step}: not in {self.local.root} nor on the remote")
-        scratch, manifest = self.remote.download_shard(step, self.rank, self.local.root)
-        name = manifest.shards[self.rank].path
-        try:
-            if not path.exists():
-                write_manifest(scratch, manifest)
-                try:
-                    commit_dir(scratch, path)  # this node had nothing for the step yet
-                    scratch = None
-                except FileExistsError:
-                    pass  # another rank of this node committed it meanwhile
-            if scratch is not None:  # replace the missing/corrupt file, atomically
-                os.replace(scratch / name, path / name)
+        upload = self.remote.upload_manifest(step)
+        manifest = upload.shard_manifest
+        entry = manifest.shards[self.rank]
+        if self.read_only:
+            with self._scratch(step) as tmp:
+                self._fetch_shard(upload, entry, tmp)
+                return read_shard(tmp / entry.path, size=entry.size, crc32c=entry.crc32c, sha256=entry.sha256,
+                                  verify=self.verify)
+        if not path.exists():  # this node had nothing for the step yet: commit it with our shard
+            try:
+                with building(path) as tmp:
+                    self._fetch_shard(upload, entry, tmp)
+                    write_manifest(tmp, manifest)
+            except FileExistsError:
+                pass  # another rank of this node committed it meanwhile
+        if not (path / entry.path).exists() or _bad(path, entry):
+            with self._scratch(step) as tmp:  # replace the missing/corrupt file, atomically
+                self._fetch_shard(upload, entry, tmp)
+                os.replace(tmp / entry.path, path / entry.path)
                 fsync_dir(path)
-        finally:
-            if scratch is not None:
-                shutil.rmtree(scratch, ignore_errors=True)
         if self.node_leader:
             self.local.update_latest()
-        # download_shard checked the crc32c; only a sha256 mode asks for more
-        return load_rank(path, self.rank, self.ranks.world_size, "sha256" if self.verify == "sha256" else "none")
+        return load_rank(path, self.rank, self.ranks.world_size, self.verify)
 
     def _load_single(self, step: int, local_steps: list[int], remote_steps: list[int]) -> Any:
         """The local copy if present and it verifies; else the remote copy, downloaded first."""
@@ -154,15 +169,38 @@ class Restorer:
                 if step not in remote_steps:
                     raise
                 _warn(f"{exc}; restoring step {step} from the remote copy instead")
-                remove_dir(self.local.step_path(step))
+                if not self.read_only:
+                    self.local.quarantine(step, f"refused on restore: {exc}")
         elif step not in remote_steps:
             where = f" or {self.remote.display_url}" if self.remote is not None else ""
             raise CheckpointNotFoundError(f"step {step}: no committed checkpoint in {self.local.root}{where} "
                                           f"(have: {sorted(set(local_steps) | set(remote_steps))[-5:]})")
-        self.remote.download(step, self.local.step_path(step), verify=self.verify)
-        self.local.update_latest()
+        if self.read_only:  # a reader writes nothing: fetch into a private temp dir, load, drop it
+            upload = self.remote.upload_manifest(step)
+            with scratch_dir(None) as tmp:
+                self.remote.fetch_files(upload, upload.files, tmp)
+                return load_sharded_files(tmp, upload.shard_manifest, self.verify)[0]
+        self.local.download(step, self.remote, verify=self.verify)
         # download() verified every file in this same mode before committing it
         return self.local.load(step, world_size=1, verify="none")[0]
+
+    def _scratch(self, step: int):
+        return scratch_dir(None if self.read_only else self.local.step_path(step))
+
+    def _fetch_shard(self, upload, entry, dest: Path) -> None:
+        """One rank's shard from the remote into ``dest``, its crc32c checked."""
+        self.remote.fetch_files(upload, [upload.files[entry.rank]], dest)
+        if _bad(dest, entry):
+            raise CorruptCheckpointError(f"{self.remote.where(layout.step_dir_name(upload.step), entry.path)}: "
+                                         f"crc32c differs from the manifest's {entry.crc32c}")
+
+
+def _bad(directory: Path, entry) -> bool:
+    """True when ``directory``'s copy of the shard is missing, short or fails its crc32c."""
+    try:
+        return file_digest(shard_path(directory, entry), sha256=False).crc32c != entry.crc32c
+    except (CorruptCheckpointError, FileNotFoundError):
+        return True
 
 
 def _warn(message: str) -> None:

@@ -19,6 +19,13 @@ class Policy(Protocol):
     def keep(self, steps: Iterable[int]) -> set[int]: ...
 
 
+def pins(policy: Policy | None, step: int) -> bool:
+    """True when ``policy`` keeps ``step`` whatever steps come later (a KeepEvery milestone).
+
+    Such a step is owed to the remote: the uploader never supersedes it."""
+    return policy is not None and bool(getattr(policy, "pins", lambda s: False)(step))
+
+
 @dataclass(frozen=True)
 class KeepLast:
     n: int
@@ -29,6 +36,9 @@ class KeepLast:
 
     def keep(self, steps: Iterable[int]) -> set[int]:
         return set(sorted(set(steps))[-self.n:])
+
+    def pins(self, step: int) -> bool:
+        return False
 
 
 @dataclass(frozen=True)
@@ -41,6 +51,9 @@ class KeepEvery:
 
     def keep(self, steps: Iterable[int]) -> set[int]:
         return {s for s in steps if s % self.every == 0}
+
+    def pins(self, step: int) -> bool:
+        return step % self.every == 0
 
 
 @dataclass(frozen=True)
@@ -56,6 +69,9 @@ class AnyOf:
         for policy in self.policies:
             kept |= policy.keep(steps)
         return kept
+
+    def pins(self, step: int) -> bool:
+        return any(pins(policy, step) for policy in self.policies)
 
 
 def plan_eviction(steps: Iterable[int], policy: Policy, protected: Iterable[int] = ()) -> list[int]:

@@ -29,14 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from . import layout
-from .atomic import atomic_write_bytes, commit_dir, fsync_file, make_scratch_dir
-
-LOSS = ".loss.json"
-SAMPLES = ".samples.json"
-STATE = ".state.json"
-ARCHIVE = "archive"
-PROVENANCE = "provenance.json"
-SIDE_FILES = (LOSS, SAMPLES, STATE)
+from .atomic import atomic_write_bytes, building, fsync_file
+from .layout import ARCHIVE, LOSS, PROVENANCE, SAMPLES, SIDE_FILES, STATE  # noqa: F401 (re-exported)
 
 
 @dataclass
@@ -71,9 +65,10 @@ class LossHistory:
 
 
 class RunLog:
-    def __init__(self, run_dir: str | os.PathLike) -> None:
+    def __init__(self, run_dir: str | os.PathLike, create: bool = True) -> None:
         self.root = Path(run_dir)
-        self.root.mkdir(parents=True, exist_ok=True)
+        if create:
+            self.root.mkdir(parents=True, exist_ok=True)
         self._fd: int | None = None
 
     # ---- loss history: append-only ------------------------------------------------
@@ -152,18 +147,13 @@ class RunLog:
         archive = self.root / ARCHIVE
         archive.mkdir(exist_ok=True)
         dest = _unused(archive / f"pivot_{layout.step_dir_name(step)}")
-        scratch = make_scratch_dir(dest)
-        try:
+        with building(dest) as scratch:
             for name in (SAMPLES, STATE):
                 if (self.root / name).exists():
                     shutil.copy2(self.root / name, scratch / name)
             (scratch / "pivot.json").write_text(json.dumps({"step": step, "note": note, "unix": time.time()}))
             for entry in scratch.iterdir():
                 fsync_file(entry)
-            commit_dir(scratch, dest)
-        except BaseException:
-            shutil.rmtree(scratch, ignore_errors=True)
-            raise
         for name in (SAMPLES, STATE):
             if (self.root / name).exists():
                 atomic_write_bytes(self.root / name, b"{}" if name == STATE else b"[]")
@@ -200,6 +190,30 @@ def fork_run(parent: str | os.PathLike, step: int, new_run_dir: str | os.PathLik
         {"parent_run": str(Path(parent).resolve()), "parent_step": step, "forked_unix": time.time()},
         indent=1).encode())
     return target.root
+
+
+def merge_loss(local: bytes, remote: bytes) -> bytes:
+    """Two copies of an append-only ``.loss.json`` made one: the longer, plus any step only the other has.
+
+    When one is a prefix of the other (the usual case: the remote copy lags or leads),
+    that is the longer one unchanged.
+    """
+    longer, shorter = (local, remote) if len(local) >= len(remote) else (remote, local)
+    if longer.startswith(shorter):
+        return longer
+    if longer and not longer.endswith(b"\n"):
+        longer += b"\n"
+    have = {_step_of(line) for line in longer.splitlines()}
+    extra = [line for line in shorter.splitlines() if _step_of(line) not in have and _step_of(line) is not None]
+    return longer + b"".join(line + b"\n" for line in extra)
+
+
+def _step_of(line: bytes):
+    try:
+        entry = json.loads(line)
+    except ValueError:
+        return None
+    return entry.get("step") if isinstance(entry, dict) and "loss" in entry else None
 
 
 def _unused(path: Path) -> Path:

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from . import layout, tree
-from .atomic import commit_dir, fsync_file, make_scratch_dir, write_all
+from .atomic import building, fsync_file, write_all
 from .checksum import file_digest
 from .errors import (CheckpointExistsError, CheckpointNotFoundError, ChecksumMismatchError,
                      ManifestError, MissingShardError, WorldSizeMismatchError)
@@ -51,9 +51,7 @@ def save_sharded(state_dict_per_rank: Sequence[Any], dir: str | os.PathLike, ste
     spans = list(param_shards) if param_shards is not None else _default_spans(state_dict_per_rank)
     if len(spans) != len(state_dict_per_rank):
         raise ValueError(f"param_shards has {len(spans)} entries for {len(state_dict_per_rank)} ranks")
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = make_scratch_dir(final)
-    try:
+    with building(final) as tmp:  # shards, then the manifest, then the atomic rename
         entries = []
         for rank, state in enumerate(state_dict_per_rank):
             name = layout.shard_name(rank)
@@ -65,10 +63,6 @@ def save_sharded(state_dict_per_rank: Sequence[Any], dir: str | os.PathLike, ste
                                  wall_clock_seconds=float(wall_clock_seconds), shards=entries,
                                  created_unix=time.time(), user=dict(user or {}))
         write_manifest(tmp, manifest)  # last: names only durable shards
-        commit_dir(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return manifest
 
 
@@ -161,6 +155,11 @@ def load_sharded(dir: str | os.PathLike, expected_world_size: int, verify: str =
         raise WorldSizeMismatchError(
             f"{Path(dir) / layout.MANIFEST}: written by world_size {manifest.world_size}, "
             f"loading with {expected_world_size} (reshard it to change the world size)")
+    return load_sharded_files(dir, manifest, verify)
+
+
+def load_sharded_files(dir: str | os.PathLike, manifest: ShardManifest, verify: str = "crc") -> list[Any]:
+    """Every rank's state from the shard files in ``dir``, checked against ``manifest``."""
     paths = shard_paths(dir, manifest)  # cheap checks on every shard before reading any
     return [read_shard(path, size=e.size, crc32c=e.crc32c, sha256=e.sha256, verify=verify)
             for path, e in zip(paths, manifest.shards)]
@@ -184,9 +183,7 @@ def copy_checkpoint(src: str | os.PathLike, dst: str | os.PathLike) -> ShardMani
     final = Path(dst)
     if final.exists():
         raise CheckpointExistsError(f"{final}: a checkpoint is already committed here; it is never overwritten")
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = make_scratch_dir(final)
-    try:
+    with building(final) as tmp:
         for path, entry in zip(shard_paths(src, manifest), manifest.shards):
             target = tmp / entry.path
             target.parent.mkdir(parents=True, exist_ok=True)
@@ -194,10 +191,6 @@ def copy_checkpoint(src: str | os.PathLike, dst: str | os.PathLike) -> ShardMani
             fsync_file(target)
         verify_checkpoint_files(tmp, manifest)
         write_manifest(tmp, manifest)
-        commit_dir(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return manifest
 
 

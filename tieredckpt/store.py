@@ -15,11 +15,18 @@ tier's atomic protocol, fsyncs the loss history first, then rotates. The next
 save waits for the previous write (at most one staged copy exists). A failed
 background write is raised, once, at the next ``save``, ``wait`` or ``close``.
 
-With a remote, each committed step is queued for the uploader; local rotation
-never evicts a step whose upload manifest does not exist yet, and ``save``
-waits while more than ``max_pending_uploads`` steps await upload (the explicit
-back-pressure rule). A restore prefers the local copy when it verifies and
-otherwise downloads the remote one (also onto a machine with nothing local).
+With a remote, each committed step is queued for the uploader, which never
+blocks the loop nor raises into it (uploader.py): when uploads lag only the
+newest waiting step is sent. Local rotation never evicts a step the remote
+does not hold (or that was superseded). A restore prefers the local copy when
+it verifies and otherwise downloads the remote one (also onto a machine with
+nothing local).
+
+Opening, in order: the run directory's lock (one writer per run; runlock.py)
+-> one probe of the remote (a missing bucket or refused credentials fail here,
+before any training; an unreachable remote only warns) -> the remote writer
+lease (one writer per prefix; lease.py) -> the uploader thread. A reader
+(``read_only=True``) takes neither lock nor lease and never writes anything.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import AbstractContextManager
@@ -34,19 +42,27 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from . import layout
 from .codec import CODECS
-from .errors import BackgroundSaveError, CheckpointExistsError
+from .errors import BackgroundSaveError, CheckpointExistsError, DistributedCommitError, RemoteError
+from .lease import WriterLease
 from .local import LocalTier
 from .manifest import ShardManifest
 from .ranks import RankGroup, commit_rank, node_key
 from .remote import PART_SIZE, RemoteTier
 from .restore import Restorer, load_into
 from .retention import Policy
-from .runlog import SIDE_FILES, RunLog, fork_run
+from .runlock import RunLock
+from .runlog import RunLog, fork_run
+from .sharded import save_sharded
 from .shardfile import VERIFY_MODES
 from .signals import Requests, handle_signals
 from .staging import Stager
+from .transport import REQUEST_TIMEOUT
+from .uploader import MODES as UPLOAD_MODES
 from .uploader import Uploader
+
+UPLOAD_GROUP_TIMEOUT = 24 * 3600.0  # ranks wait for each other's uploads through long outages
 
 log = logging.getLogger("tieredckpt")
 
@@ -86,13 +102,27 @@ class CheckpointStore(AbstractContextManager):
     def __init__(self, local: str | os.PathLike, remote: str | None = None, *, keep_local: int = 3,
                  every: int = 100, verify: str = "crc", remote_options: dict | None = None,
                  keep_remote: Policy | None = None, compression: str | None = "zstd-planes",
-                 compression_level: int = 1, max_pending_uploads: int | None = 2,
-                 upload_retry_timeout: float | None = 900.0, upload_backoff: tuple[float, float] = (0.5, 30.0),
+                 compression_level: int = 1, uploads: str = "newest", max_pending_uploads: int | None = 2,
+                 upload_backoff: tuple[float, ...] = (0.5, 10.0, 60.0), request_timeout: float = REQUEST_TIMEOUT,
+                 audit_interval: float = 60.0,
+                 on_upload_error: Callable[[int | None, Exception], None] | None = None,
                  upload_part_size: int = PART_SIZE, close_timeout: float | None = 600.0,
-                 remote_fs=None, distributed: bool | None = None) -> None:
+                 read_only: bool = False, takeover: bool = False, remote_fs=None,
+                 distributed: bool | None = None) -> None:
         """``local``: the run directory. ``remote``: any fsspec URL (s3://bucket/prefix,
         file:///mnt/nas/run, memory://...), with ``remote_options`` passed to fsspec/s3fs.
         ``compression``: "zstd-planes" (float-aware, default), "zstd" or None for uploads.
+        ``uploads``: "newest" (default: when uploads lag, only the newest waiting step is sent;
+        older waiting ones are superseded, KeepEvery milestones of ``keep_remote`` excepted) or
+        "all" (every step; ``save`` waits while more than ``max_pending_uploads`` are waiting).
+        ``upload_backoff``: (first, cap[, slow]) seconds between retries: transient errors from
+        ``first`` doubling to ``cap``; errors retrying does not fix every ``slow`` seconds.
+        ``request_timeout``: seconds one remote request may take (plus 1 s per MB it moves).
+        ``audit_interval``: how often an idle uploader checks that the remote still holds its
+        newest upload. ``on_upload_error(step, exc)``: called on the uploader thread when an
+        upload fails in a way retrying does not fix (access denied, no bucket, another writer).
+        ``read_only``: a reader (eval job, notebook): lists and restores, never writes or deletes.
+        ``takeover``: become the remote's writer even if another writer's lease has not lapsed.
         ``distributed``: one shard per rank of the torch.distributed world (default: when
         a process group of more than one rank is initialized); every rank must create
         its store at the same point."""
@@ -105,8 +135,11 @@ class CheckpointStore(AbstractContextManager):
             raise ValueError(f"every must be an int >= 0 (0: only on request), got {every!r}")
         if verify not in VERIFY_MODES:
             raise ValueError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
-        self.local = LocalTier(local)
-        self.run = RunLog(local)  # side files: written by rank 0 only
+        if uploads not in UPLOAD_MODES:
+            raise ValueError(f"uploads must be one of {UPLOAD_MODES}, got {uploads!r}")
+        self.read_only = read_only
+        self.local = LocalTier(local, create=not read_only, must_exist=not (read_only and remote))
+        self.run = RunLog(local, create=not read_only)  # side files: written by rank 0 only
         # One checkpoint group per thread that issues collectives, so they never interleave:
         # the caller's (step-boundary flags, restore), the writer's (commits), the uploader's.
         self.ranks = RankGroup() if (RankGroup.active() if distributed is None else distributed) else None
@@ -119,22 +152,81 @@ class CheckpointStore(AbstractContextManager):
         self.keep_local = keep_local
         self.every = every
         self.verify = verify
+        self.close_timeout = close_timeout
         self.requests = Requests()
         self._stager = Stager()
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tieredckpt-writer")
         self._pending: SaveHandle | None = None
         self._closed = False
         self._rotate_lock = threading.Lock()
-        self.close_timeout = close_timeout
-        self.remote = RemoteTier(remote, remote_options, fs=remote_fs, part_size=upload_part_size) if remote else None
-        self._restorer = Restorer(self.local, self.remote, self.ranks, verify, self._node_leader)
-        self.uploader = None
-        if self.remote is not None:
-            self.uploader = Uploader(self.local, self.remote, codec=codec, level=compression_level,
-                                     max_pending=max_pending_uploads, retry_timeout=upload_retry_timeout,
-                                     backoff=upload_backoff,
-                                     keep_remote=keep_remote, on_uploaded=lambda step: self._rotate(),
-                                     ranks=RankGroup() if self.ranks is not None else None)
+        self._lock = RunLock(self.local.root)
+        self.remote: RemoteTier | None = None
+        self.uploader: Uploader | None = None
+        try:
+            self._agree(self._take_lock, "locking the run directory")
+            if remote:
+                self.remote = RemoteTier(remote, remote_options, fs=remote_fs, part_size=upload_part_size,
+                                         request_timeout=request_timeout)
+                lease = self._agree(lambda: self._open_remote(takeover), "opening the remote")
+                if not read_only:
+                    self.uploader = Uploader(
+                        self.local, self.remote, codec=codec, level=compression_level, mode=uploads,
+                        max_pending=max_pending_uploads, backoff=tuple(upload_backoff[:2]),
+                        slow_retry=upload_backoff[2] if len(upload_backoff) > 2 else 60.0,
+                        audit_interval=audit_interval, keep_remote=keep_remote,
+                        lease=lease, on_uploaded=lambda step: self._rotate(), on_error=on_upload_error,
+                        ranks=RankGroup(timeout_seconds=UPLOAD_GROUP_TIMEOUT) if self.ranks is not None else None)
+        except BaseException:
+            self._release()
+            raise
+        self._restorer = Restorer(self.local, self.remote, self.ranks, verify, self._node_leader, read_only)
+        if self.uploader is not None:
+            self.uploader.start()
+
+    def _take_lock(self) -> None:
+        if not self.read_only and self._node_leader:
+            self._lock.acquire()
+
+    def _open_remote(self, takeover: bool) -> WriterLease | None:
+        """Fail fast on what no retry fixes (no bucket, access denied, another writer);
+        a remote that does not answer only delays uploads (the uploader keeps trying)."""
+        try:
+            self.remote.t.probe(create=not self.read_only)
+        except RemoteError as exc:
+            if not exc.transient:
+                raise
+            log.warning("%s: unreachable now (%s); local saves and restores go on, uploads start "
+                        "when it answers", self.remote.display_url, exc)
+            self._remote_down = True
+        if self.read_only or self.rank != 0:
+            return None
+        lease = WriterLease(self.remote.t)
+        if not getattr(self, "_remote_down", False):
+            try:
+                lease.acquire(takeover=takeover)
+            except RemoteError as exc:
+                if not exc.transient:
+                    raise
+                log.warning("%s: cannot record this writer yet (%s); retried in the background",
+                            self.remote.display_url, exc)
+        return lease
+
+    def _agree(self, fn: Callable[[], Any], what: str) -> Any:
+        """Run ``fn`` on this rank; with many ranks, if it failed anywhere, raise everywhere."""
+        if self.ranks is None:
+            return fn()
+        result, error = None, None
+        try:
+            result = fn()
+        except Exception as exc:  # noqa: BLE001 - reported to every rank
+            error = exc
+        outcomes = self.ranks.all_gather_json(f"{type(error).__name__}: {error}" if error else None)
+        if error is not None:
+            raise error
+        failed = [(r, o) for r, o in enumerate(outcomes) if o]
+        if failed:
+            raise DistributedCommitError(f"{what}: rank {failed[0][0]} failed ({failed[0][1]})")
+        return result
 
     @classmethod
     def from_config(cls, config, section: str = "checkpoint", **overrides) -> "CheckpointStore":
@@ -156,11 +248,11 @@ class CheckpointStore(AbstractContextManager):
         With many ranks every rank calls it for the same step with its own shard;
         ``param_span`` = (offset, numel) of this rank's slice of the flat parameter
         space (default: shards laid end to end in rank order)."""
-        self._check_open()
+        self._check_writable()
         self._finish_pending()  # back-pressure, and the previous failure surfaces here
         if self.uploader is not None:
-            self.uploader.wait_for_room()  # raises a failed upload, once
-        if (self.local.step_path(step) / "manifest.json").exists():
+            self.uploader.wait_for_room()  # uploads="all" only; never raises
+        if (self.local.step_path(step) / layout.MANIFEST).exists():
             raise CheckpointExistsError(f"{self.local.step_path(step)}: step {step} is already committed")
         self.requests.clear_save()  # a signal from now on asks for another save
         staged = self._stager.stage(state)
@@ -174,25 +266,31 @@ class CheckpointStore(AbstractContextManager):
         # latest moved -> queued for upload -> old steps rotated out.
         self.run.sync()
         if self.ranks is None:
-            manifest = self.local.save(step, [staged], user=user)
+            self.local.clean_stale_once()
+            manifest = save_sharded([staged], self.local.step_path(step), step, user=user)
         else:
             self.local.clean_stale_once()
             manifest = commit_rank(self.local.root, step, staged, self._commit_ranks, param_span=param_span, user=user)
+        # Committed. What follows can only warn: the checkpoint is safe whatever happens next.
+        try:
             if self._node_leader:
                 self.local.update_latest()
-        if self.uploader is not None:
-            self.uploader.enqueue(step)
-        self._rotate()
+            if self.uploader is not None:
+                self.uploader.enqueue(step)
+            self._rotate()
+        except Exception as exc:  # noqa: BLE001
+            log.warning("step %d is committed, but the work after it failed: %s", step, exc)
         return manifest
 
     def _rotate(self) -> None:
-        """Keep the last ``keep_local`` steps, never evicting one the remote does not hold yet."""
-        if not self._node_leader:
+        """Keep the last ``keep_local`` steps, never evicting one the remote does not hold
+        (or that was superseded there) -- see Uploader.evictable."""
+        if not self._node_leader or self.read_only:
             return
         with self._rotate_lock:
             protected = set()
             if self.uploader is not None:
-                protected = set(self.local.steps()) - set(self.uploader.uploaded)
+                protected = set(self.local.steps()) - self.uploader.evictable()
             self.local.rotate(self.keep_local, protected=protected)
 
     def should_save(self, step: int) -> bool:
@@ -224,19 +322,21 @@ class CheckpointStore(AbstractContextManager):
         return handle_signals(self.requests)
 
     def log_loss(self, step: int, loss: float, **extra: Any) -> None:
+        self._check_writable()
         if self.rank == 0:
             self.run.append_loss(step, loss, **extra)
 
     # ---- waiting --------------------------------------------------------------------
 
-    def wait(self, uploads: bool = False, timeout: float | None = None) -> None:
-        """Block until the pending write is committed (and, with ``uploads``, until every
-        committed step is uploaded, or ``timeout`` passes); raise a failure if one occurred."""
+    def wait(self, uploads: bool = False, timeout: float | None = None) -> bool:
+        """Block until the pending write is committed; with ``uploads``, also until every
+        committed step is uploaded or ``timeout`` passes (False then). Raises a failed
+        write (BackgroundSaveError), and with ``uploads`` an UploadError when a step
+        failed in a way retrying does not fix."""
         self._finish_pending()
-        if self.uploader is not None:
-            if uploads:
-                self.uploader.drain(timeout)
-            self.uploader.raise_error()
+        if uploads and self.uploader is not None:
+            return self.uploader.drain(timeout)
+        return True
 
     def _finish_pending(self) -> None:
         pending, self._pending = self._pending, None
@@ -244,11 +344,12 @@ class CheckpointStore(AbstractContextManager):
             pending.wait()
 
     def close(self, drain_uploads: bool | None = None) -> None:
-        """Finish the pending write, release the writer; raise a pending failure.
+        """Finish the pending write, release the run; raise what failed.
 
-        Pending uploads are drained (up to ``close_timeout``) unless
-        ``drain_uploads`` is False -- the default after SIGTERM or when leaving the
-        ``with`` block on an exception: the next start resumes them.
+        Pending uploads are drained (up to ``close_timeout``) unless ``drain_uploads``
+        is False -- the default after SIGTERM or when leaving the ``with`` block on an
+        exception: the next start resumes them. Uploads that failed for good are raised
+        here, every step of them, as one UploadError.
         """
         if self._closed:
             return
@@ -263,10 +364,19 @@ class CheckpointStore(AbstractContextManager):
                 self.uploader.raise_error()
         finally:
             self._closed = True
+            self._release()
+
+    def _release(self) -> None:
+        """Stop the threads and let go of the run directory and the remote (never raises)."""
+        try:
             if self.uploader is not None:
-                self.uploader.close(drain_timeout=0)
+                self.uploader.close()
             self._writer.shutdown(wait=True)
             self.run.close()
+            if self.remote is not None:
+                self.remote.close()
+        finally:
+            self._lock.release()
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc is None:
@@ -281,13 +391,19 @@ class CheckpointStore(AbstractContextManager):
         if self._closed:
             raise RuntimeError("this CheckpointStore is closed")
 
+    def _check_writable(self) -> None:
+        self._check_open()
+        if self.read_only:
+            raise PermissionError(f"{self.local.root}: this store was opened read_only=True; it never writes")
+
     # ---- restoring ------------------------------------------------------------------
 
     def restore(self, step: int | None = None, *, into: dict | None = None,
                 mark_resume: bool = True, reshard: bool = False) -> Any:
         """The newest (or the named) committed checkpoint's state, verified.
 
-        Returns None when the run has no checkpoint yet and no step was named.
+        Returns None only when the run has no checkpoint on any tier and no step was
+        named; a remote that cannot be asked is an error then, never an empty run.
         ``into`` maps top-level keys to objects with ``load_state_dict`` (a model,
         an optimizer...), which are loaded from the matching saved entries; every
         key is checked before any object is touched. ``mark_resume`` records the
@@ -301,27 +417,43 @@ class CheckpointStore(AbstractContextManager):
         step, local_steps, remote_steps = self._restorer.choose(step)
         if step is None:
             return None
-        if self.rank == 0 and self.remote is not None and not any((self.local.root / n).exists() for n in SIDE_FILES):
-            self.run.close()  # a fresh machine: bring the run's history back too
-            self.remote.get_side_files(self.local.root)
+        if self.rank == 0 and self.remote is not None and not self.read_only:
+            self._fetch_side_files()
         state = self._restorer.load(step, local_steps, remote_steps, reshard)
         if into:
-            load_into(state, into, self.local.require(step))
-        if mark_resume and self.rank == 0:
+            load_into(state, into, self.local.step_path(step))
+        if mark_resume and self.rank == 0 and not self.read_only:
             self.run.mark_resume(step)
         return state
 
+    def _fetch_side_files(self) -> None:
+        """Complete the run's side files from the remote (each missing one, a longer loss history)."""
+        self.run.close()  # the loss history may be replaced; reopen it afterwards
+        try:
+            self.remote.get_side_files(self.local.root, warn=_warn)
+        except RemoteError as exc:
+            _warn(f"could not fetch the run's side files: {exc}")
+
     def latest_step(self) -> int | None:
-        """The newest committed step on any tier."""
+        """The newest committed step on any tier (a constant number of remote requests)."""
         steps = [s for s in (self.local.latest_step(),) if s is not None]
         if self.remote is not None:
-            steps += self.remote.steps()[-1:]
+            newest = self.remote.newest_step()
+            steps += [newest] if newest is not None else []
         return max(steps) if steps else None
 
     def list(self) -> list[CheckpointInfo]:
-        """Every committed checkpoint on either tier, oldest first, with where it lives."""
+        """Every committed checkpoint on either tier, oldest first, with where it lives.
+
+        When the remote cannot be listed (an outage) the local ones are listed with
+        their upload state, and a warning says so."""
         local = set(self.local.steps())
-        remote = set(self.remote.steps()) if self.remote is not None else set()
+        remote: set[int] = set()
+        if self.remote is not None:
+            try:
+                remote = set(self.remote.steps())
+            except RemoteError as exc:
+                _warn(f"cannot list the remote: {exc}")
         status = self.uploader.status() if self.uploader is not None else {}
         out = []
         for step in sorted(local | remote):
@@ -331,13 +463,30 @@ class CheckpointStore(AbstractContextManager):
                                       m.created_unix, m.world_size, step in local, step in remote, upload))
         return out
 
+    def upload_status(self) -> dict:
+        """How far the remote lags: newest local and uploaded steps, what waits, the last error."""
+        newest_local = self.local.latest_step()
+        if self.uploader is None:
+            return {"remote": self.remote.display_url if self.remote else None, "newest_local": newest_local}
+        summary = self.uploader.summary()
+        summary["newest_local"] = newest_local
+        uploaded = summary["newest_uploaded"]
+        summary["lag_steps"] = None if newest_local is None else newest_local - (uploaded if uploaded is not None else 0)
+        return summary
+
     # ---- side files -------------------------------------------------------------------
 
     def pivot(self, step: int, note: str = "") -> Path:
         """Archive samples and bandit state (never the loss history) and start them clean."""
+        self._check_writable()
         return self.run.pivot(step, note)
 
     def fork(self, step: int, new_run_dir: str | os.PathLike) -> Path:
         """Copy checkpoint ``step`` into a new run directory with its provenance."""
         self._finish_pending()
         return fork_run(self.local.root, step, new_run_dir)
+
+
+def _warn(message: str) -> None:
+    log.warning(message)
+    warnings.warn(message, RuntimeWarning, stacklevel=3)

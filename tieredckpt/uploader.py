@@ -1,249 +1,528 @@
-"""The background uploader: a queue of committed local steps, one worker thread.
+"""The background uploader: committed local steps go to the remote, however long it takes.
 
-For each step, in order: side files -> parts -> upload.json -> remote latest ->
-remote retention -> ``on_uploaded`` (the store then lets local rotation evict
-it). With many ranks, every rank sends its own shard in parallel; they then
-exchange what each sent (on a process group of the uploader's own), and rank 0
-writes upload.json only if every rank succeeded. What is uploaded is read from the remote (upload manifests) at start, so a
-restart re-queues every local step without one; half-uploaded remote steps that
-no local step will finish are deleted.
+A queue of committed local steps and one worker thread. The training loop never
+waits for it (unless ``mode="all"`` asks for back-pressure) and never sees its
+errors: they are retried, shown in the status, and raised at ``close()``.
 
-Transient errors (connection trouble, timeouts, 5xx, throttling) are retried
-with exponential backoff, resuming at the first part not yet sent, until
-``retry_timeout`` seconds have passed; other errors fail at once. A failure is
-stored and raised, once, by :meth:`raise_error` (the store calls it at the next
-save, wait or close); the step stays local and is retried at the next start.
+Which step goes next (``mode``):
+  "newest" (default)  the newest step still waiting; older waiting ones are
+                      *superseded* (recorded, never uploaded, free for rotation),
+                      except steps the remote policy pins (KeepEvery milestones),
+                      which are owed and go after it;
+  "all"               every step, oldest first; ``save`` waits while more than
+                      ``max_pending`` are waiting (the remote slows training down).
 
-Back-pressure: :meth:`wait_for_room` blocks while more than ``max_pending``
-steps await upload, so a slow or absent remote slows saves down instead of
-filling the local disk with checkpoints that rotation may not delete.
+One upload is a *round*, the same on one process and on many ranks (a world of
+one exchanges with itself):
+  1. rank 0 makes sure it owns the remote (lease.py) and audits it; every rank
+     proposes its step; all take the oldest proposal, so each rank has it;
+  2. each rank sends its own shard's parts (rank 0 also the side files);
+  3. all exchange how it went; if every rank succeeded rank 0 confirms every
+     part by a listing and writes upload.json (the commit marker), then latest;
+  4. all learn the outcome. On failure every rank waits the same backoff:
+     transient errors (outage, 5xx, throttling, timeouts) from ``backoff[0]``
+     doubling to ``backoff[1]``; permanent ones (access denied, no bucket,
+     another writer) every ``slow_retry`` seconds, reported to ``on_error``
+     and raised at ``close()`` -- each failed step, not just the first.
+
+What is uploaded is what the remote says: at start, the remote's newest step
+and the upload manifest of each local step are read (a constant number of
+requests, whatever the remote holds); only newer steps and pinned ones are
+queued. While idle, rank 0 re-checks that the newest uploaded step is still
+there; a wiped or damaged remote is noticed, and its local copies become
+pending again. Retention deletes and the cleanup of abandoned half-uploads
+are queued and retried; they never fail an upload, and only the lease owner
+deletes anything.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from dataclasses import asdict
 import threading
 import time
-from collections import deque
+from dataclasses import asdict
 from pathlib import Path
 from typing import Callable
 
+from . import layout
 from .atomic import atomic_write_bytes
-from .errors import TieredCkptError
+from .errors import RemoteError, TieredCkptError, UploadError, WriterConflictError
+from .lease import WriterLease
 from .local import LocalTier
-from .remote import RemoteError, RemoteTier
+from .remote import RemoteTier
+from .retention import Policy, pins, plan_eviction
 from .uploadmanifest import PartEntry, UploadedFile
-from .retention import Policy, plan_eviction
 
 log = logging.getLogger("tieredckpt")
-STATUS_FILE = ".uploads.json"
-
-
-class UploadError(TieredCkptError):
-    """Uploading a checkpoint to the remote tier failed."""
+MODES = ("newest", "all")
 
 
 class Uploader:
     def __init__(self, local: LocalTier, remote: RemoteTier, *, codec: str = "zstd-planes", level: int = 1,
-                 max_pending: int | None = 2, retry_timeout: float | None = 900.0,
-                 backoff: tuple[float, float] = (0.5, 30.0), keep_remote: Policy | None = None,
-                 on_uploaded: Callable[[int], None] | None = None,
+                 mode: str = "newest", max_pending: int | None = 2, backoff: tuple[float, float] = (0.5, 10.0),
+                 slow_retry: float = 60.0, audit_interval: float = 60.0, keep_remote: Policy | None = None,
+                 lease: WriterLease | None = None, on_uploaded: Callable[[int], None] | None = None,
+                 on_error: Callable[[int, Exception], None] | None = None,
                  progress: Callable[[int], None] | None = None, ranks=None) -> None:
+        if mode not in MODES:
+            raise ValueError(f"uploads must be one of {MODES}, got {mode!r}")
         self.local, self.remote = local, remote
-        self.codec, self.level = codec, level
-        self.max_pending, self.retry_timeout, self.backoff = max_pending, retry_timeout, backoff
-        self.keep_remote = keep_remote
-        self.on_uploaded = on_uploaded
-        self.progress = progress
-        self.ranks = ranks  # a RankGroup of its own: uploads exchange results on it
+        self.codec, self.level, self.mode = codec, level, mode
+        self.max_pending, self.backoff, self.slow_retry = max_pending, backoff, slow_retry
+        self.audit_interval = audit_interval
+        self.keep_remote, self.lease = keep_remote, lease
+        self.on_uploaded, self.on_error, self.progress = on_uploaded, on_error, progress
+        self.ranks = ranks  # a RankGroup of the uploader's own, or None (a world of one)
+        self.leader = ranks is None or ranks.rank == 0
         self._cond = threading.Condition()
-        self._queue: deque[int] = deque()
-        self._current: int | None = None
         self._stop = threading.Event()
-        self._error: BaseException | None = None
+        self._pending: set[int] = set()
+        self._current: int | None = None
+        self.uploaded: set[int] = set()  # upload.json seen on the remote
+        self.superseded: set[int] = set()
+        self.retired: set[int] = set()  # deleted by remote retention after upload
+        self._garbage: set[int] = set()  # abandoned half-uploads, deleted once a newer step commits
+        self._deletions: set[int] = set()  # remote steps to delete (retried)
+        self._done: dict[int, dict] = {}  # parts already sent, per step, across attempts
+        self._failures: dict[int, tuple[str, float]] = {}  # permanent failures not raised yet: (error, when)
         self._status: dict[int, dict] = {}
-        self.uploaded: set[int] = set(remote.steps())
-        self._resume_pending()
+        self._known = False  # the remote's state was read; until then rotation keeps everything
+        self._confirmed: tuple[int, float] | None = None  # (newest uploaded step, when seen on the remote)
+        self._last_error: dict | None = None
+        self._failed_rounds = 0
+        self._failed_cycle: set[int] = set()  # steps that failed since the last success or pause
+        self._kick = False  # drain() asks for a retry now instead of after the backoff
+        self._pinned_turn = False
         self._thread = threading.Thread(target=self._run, name="tieredckpt-uploader", daemon=True)
+
+    def start(self) -> "Uploader":
         self._thread.start()
+        return self
 
-    # ---- queue ------------------------------------------------------------------------
-
-    def _resume_pending(self) -> None:
-        local_steps = self.local.steps()
-        for step in (self.remote.uncommitted() if self.ranks is None or self.ranks.rank == 0 else []):
-            if step not in local_steps:  # nobody will finish it: garbage
-                log.info("removing half-uploaded %s", self.remote.where(f"step {step}"))
-                self.remote.delete(step)
-        for step in local_steps:
-            if step not in self.uploaded:
-                self._queue.append(step)
-                self._status[step] = {"state": "pending"}
-        self._write_status()
+    # ---- what the store asks --------------------------------------------------------------
 
     def enqueue(self, step: int) -> None:
         with self._cond:
-            if step not in self.uploaded and step not in self._queue and step != self._current:
-                self._queue.append(step)
+            if step not in self.uploaded and step != self._current:
+                self._pending.add(step)
                 self._set(step, "pending")
             self._cond.notify_all()
+        self._write_status()
 
     def pending(self) -> list[int]:
         with self._cond:
-            return sorted([*self._queue] + ([self._current] if self._current is not None else []))
+            return sorted(self._pending | ({self._current} if self._current is not None else set()))
+
+    def evictable(self) -> set[int]:
+        """Local steps rotation may delete: the remote holds them, or they were superseded.
+
+        The newest uploaded step stays until the remote was seen holding it within the
+        last two audit intervals (so a wiped remote never costs the last good copy)."""
+        with self._cond:
+            if not self._known:
+                return set()
+            ok = (self.uploaded | self.superseded | self.retired) - self._pending - {self._current}
+            if self.uploaded:
+                newest = max(self.uploaded)
+                fresh = self._confirmed and self._confirmed[0] == newest and \
+                    time.monotonic() - self._confirmed[1] < 2 * self.audit_interval
+                if not fresh:
+                    ok.discard(newest)
+            return ok
 
     def wait_for_room(self) -> None:
-        """Back-pressure: block while more than ``max_pending`` steps await upload."""
+        """``mode="all"``: block while more than ``max_pending`` steps await upload. Never raises."""
+        if self.mode != "all" or self.max_pending is None:
+            return
         with self._cond:
-            while (self.max_pending is not None and len(self._queue) + (self._current is not None) > self.max_pending
-                   and self._error is None and self._thread.is_alive()):
+            while (len(self._pending - set(self._failures)) + (self._current is not None) > self.max_pending
+                   and not self._stop.is_set() and self._thread.is_alive()):
                 self._cond.wait(0.5)
-        self.raise_error()
 
     def drain(self, timeout: float | None) -> bool:
-        """Wait until nothing is pending (or a failure); True if everything was uploaded."""
-        deadline = None if timeout is None else time.monotonic() + timeout
+        """Wait until nothing is pending; True if everything was uploaded. Raises UploadError
+        when a step failed for good (waiting longer would not help)."""
+        start = time.monotonic()
+        deadline = None if timeout is None else start + timeout
         with self._cond:
-            while (self._queue or self._current is not None) and self._error is None and self._thread.is_alive():
+            self._kick = True  # a retry waiting out its backoff goes now
+            self._cond.notify_all()
+            while (self._pending or self._current is not None or not self._known) and self._thread.is_alive():
+                if any(when >= start for _, when in self._failures.values()):
+                    break  # failing for good right now: waiting on would not help
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     return False
                 self._cond.wait(0.5 if remaining is None else min(0.5, remaining))
-            return not self._queue and self._current is None
+        self.raise_error()
+        with self._cond:
+            return not self._pending and self._current is None
 
     def raise_error(self) -> None:
+        """Raise every permanent failure not raised yet, as one UploadError naming each step."""
         with self._cond:
-            error, self._error = self._error, None
-        if error is not None:
-            raise UploadError(str(error)) from error
+            failures, self._failures = self._failures, {}
+        if failures:
+            lines = "; ".join(f"step {s}: {e}" for s, (e, _) in sorted(failures.items()))
+            raise UploadError(f"{len(failures)} upload(s) failed: {lines}", {s: e for s, (e, _) in failures.items()})
 
-    def close(self, drain_timeout: float | None = 0.0) -> None:
-        """Stop the worker; first wait up to ``drain_timeout`` s for pending uploads (0: don't)."""
-        if drain_timeout != 0:
-            self.drain(drain_timeout)
+    def close(self) -> None:
+        """Stop the worker; a send in flight is resumed at the next start."""
         self._stop.set()
         with self._cond:
             self._cond.notify_all()
-        self._thread.join(timeout=1.0)  # a send in flight is resumed at the next start
+        if self._thread.is_alive():
+            self._thread.join(timeout=1.0)
+        if self.lease is not None:
+            self.lease.release()
 
-    # ---- worker -----------------------------------------------------------------------
+    # ---- the worker -----------------------------------------------------------------------
 
     def _run(self) -> None:
-        while True:
-            with self._cond:
-                while not self._queue and not self._stop.is_set():
-                    self._cond.wait()
-                if self._stop.is_set():
-                    return
-                step = self._current = self._queue.popleft()
-            try:
-                self._process(step)
-            except BaseException as exc:  # noqa: BLE001 - stored, raised at the next call
-                if self._stop.is_set():
-                    self._set(step, "pending")  # interrupted by close: resumed at the next start
-                    return
-                log.error("upload of step %d failed: %s", step, exc)
-                self._set(step, "failed", str(exc))
-                with self._cond:
-                    self._error = exc
-            finally:
-                with self._cond:
-                    self._current = None
-                    self._cond.notify_all()
-
-    def _process(self, step: int) -> None:
-        """One step: send (with retries), then commit. With many ranks every rank sends its own shard,
-        they exchange what they sent, and rank 0 writes upload.json only if all succeeded."""
-        error, files = None, None
         try:
-            files = self._retrying(step, lambda done: self._send(step, done))
-        except BaseException as exc:  # noqa: BLE001 - with ranks, still join the exchange
-            if self.ranks is None:
-                raise
-            error = exc
-        if self.ranks is not None:
-            files = self._exchange(step, files, error)
-        if files is None:
-            return  # nothing local to send
-        outcome = None
-        if self.ranks is None or self.ranks.rank == 0:
-            try:
-                self._retrying(step, lambda done: self._commit(step, files))
-            except Exception as exc:  # noqa: BLE001
-                if self.ranks is None:
-                    raise
-                outcome = str(exc)
-        if self.ranks is not None:
-            failed = [o for o in self.ranks.all_gather_json(outcome) if o]
-            if failed:
-                raise RemoteError(f"step {step}: committing the upload failed on rank 0: {failed[0]}", transient=False)
-        with self._cond:
-            self.uploaded.add(step)
-        if self.ranks is None or self.ranks.rank == 0:
-            self._apply_remote_retention()
-        self._set(step, "uploaded")
+            if not self._startup():
+                return
+            last_idle = time.monotonic()
+            while not self._stop.is_set():
+                step = self._next_step(timeout=self.audit_interval)
+                if step is None:
+                    if self.leader and time.monotonic() - last_idle >= self.audit_interval * 0.9:
+                        self._idle_work()
+                        last_idle = time.monotonic()
+                    continue
+                self._round(step)
+        except BaseException as exc:  # noqa: BLE001 - a bug here must not pass silently
+            log.exception("the uploader stopped")
+            with self._cond:
+                self._failures[-1] = (f"the uploader stopped: {exc}", time.monotonic())
+        finally:
+            with self._cond:
+                self._current = None
+                self._cond.notify_all()
+
+    def _startup(self) -> bool:
+        """Learn from the remote what is uploaded; queue the rest. Retries until it can."""
+        state = None
+        while state is None and not self._stop.is_set():
+            local = sorted(set().union(*self._gather(self.local.steps())))
+            error = None
+            if self.leader:
+                try:
+                    self._ensure_lease()
+                    state = self._remote_state(local)
+                except (RemoteError, WriterConflictError) as exc:
+                    error = exc
+            shared = self._gather(state if error is None else {"error": str(error)})[0]
+            if "error" in shared:
+                state = None
+                self._failed(None, error or RemoteError(shared["error"], transient=True))
+                if self._sleep():
+                    return False
+            else:
+                state = shared
+        if state is None:
+            return False
+        with self._cond:  # steps enqueued while we asked stay queued unless the remote has them
+            self.uploaded = set(state["uploaded"])
+            self._pending = (set(state["pending"]) | self._pending) & set(self.local.steps()) - self.uploaded
+            self.superseded = set(local) - self.uploaded - self._pending
+            if self.uploaded:
+                self._confirmed = (max(self.uploaded), time.monotonic())
+            for step in self._pending:
+                self._set(step, "pending")
+            self._failed_rounds = 0
+            self._known = True
+            self._cond.notify_all()
+        self._write_status()
         if self.on_uploaded:
-            self.on_uploaded(step)
+            self.on_uploaded(-1)  # let rotation catch up on what is already safe
+        return True
 
-    def _exchange(self, step: int, files, error):
-        results = self.ranks.all_gather_json(
-            {"ok": error is None, "error": str(error) if error else None,
-             "files": [asdict(f) for f in files] if files else []})
-        if error is not None:
-            raise error
-        failed = [(r, res["error"]) for r, res in enumerate(results) if not res["ok"]]
-        if failed:
-            raise RemoteError(f"step {step}: rank {failed[0][0]} could not upload its shard ({failed[0][1]})",
-                              transient=False)
-        return [UploadedFile(f["path"], f["size"], [PartEntry(**p) for p in f["parts"]])
-                for res in results for f in res["files"]]
+    def _remote_state(self, local: list[int]) -> dict:
+        """Which local steps the remote holds, and which are still owed (rank 0)."""
+        newest = self.remote.newest_step()
+        uploaded = [s for s in local if s == newest or self.remote.is_committed(s)]
+        top = max([newest or -1, *uploaded])
+        pending = [s for s in local if s not in uploaded and (s > top or pins(self.keep_remote, s))]
+        if newest is None and self._status_says_uploaded():
+            log.warning("%s: holds no checkpoint although this run uploaded some (wiped?); "
+                        "the local copies are kept and uploaded again", self.remote.display_url)
+        half = self.lease.previous_sending() if self.lease is not None else None
+        if half is not None and half not in pending and not self.remote.is_committed(half):
+            self._garbage.add(half)  # the previous writer died uploading it; ours to clean up
+        return {"uploaded": uploaded, "pending": pending, "newest": newest}
 
-    def _commit(self, step: int, files) -> None:
-        self.remote.commit_upload(self.local.manifest(step), self.codec, files)  # the commit marker
-        self.remote.write_latest(max(self.uploaded | {step}))
+    def _next_step(self, timeout: float) -> int | None:
+        """The step this rank proposes next, or None after ``timeout`` with nothing to do."""
+        with self._cond:
+            if not self._pending and not self._stop.is_set():
+                self._cond.wait(timeout)
+            if not self._pending or self._stop.is_set():
+                return None
+            candidates = self._pending - self._failed_cycle or self._pending
+            if self.mode == "all":
+                return min(candidates)
+            owed = sorted(s for s in candidates if pins(self.keep_remote, s))
+            newest = max(candidates)
+            self._pinned_turn = not self._pinned_turn and bool(owed) and owed[0] != newest
+            return owed[0] if self._pinned_turn else newest
 
-    def _retrying(self, step: int, attempt_fn):
-        """``attempt_fn(done)`` until it succeeds, retrying transient RemoteErrors with backoff."""
-        deadline = None if self.retry_timeout is None else time.monotonic() + self.retry_timeout
-        done: dict = {}  # parts already sent: a retry resumes after them
-        attempt = 0
-        while True:
-            self._set(step, "uploading" if attempt == 0 else "retrying")
+    def _round(self, proposed: int) -> None:
+        lost, lease_error = [], None
+        if self.leader:
             try:
-                return attempt_fn(done)
-            except RemoteError as exc:
-                late = deadline is not None and time.monotonic() >= deadline
-                if not exc.transient or late or self._stop.is_set():
-                    raise
-                delay = min(self.backoff[1], self.backoff[0] * 2 ** attempt)
-                log.warning("upload of step %d: %s; retrying in %.1f s", step, exc, delay)
-                self._set(step, "retrying", str(exc))
-                attempt += 1
-                if self._stop.wait(delay):
-                    raise
+                self._ensure_lease()
+                lost = self._audit()
+            except (RemoteError, WriterConflictError) as exc:
+                lease_error = exc
+        infos = self._gather({"step": proposed, "lost": lost,
+                              "error": f"{type(lease_error).__name__}: {lease_error}" if lease_error else None,
+                              "transient": getattr(lease_error, "transient", False)})
+        self._requeue_lost(infos[0]["lost"])
+        step = min(i["step"] for i in infos)
+        self._supersede_below(step)
+        with self._cond:
+            self._pending.discard(step)
+            self._current = step
+        self._set(step, "uploading" if self._failed_rounds == 0 else "retrying")
+        self._write_status()
+        error = None
+        if infos[0]["error"]:
+            error = (infos[0]["error"], infos[0]["transient"])
+        elif self.ranks is None and step not in self.local.steps():
+            with self._cond:  # removed from the run directory meanwhile: nothing left to send
+                self._current = None
+                self.superseded.add(step)
+                self._set(step, "superseded", "no longer in the run directory")
+            return
+        else:
+            if self.leader and self.lease is not None:
+                self._note_sending(step)
+            error = self._attempt(step)
+        if error is None:
+            self._uploaded(step)
+            return
+        with self._cond:
+            self._pending.add(step)
+            self._current = None
+            self._failed_cycle.add(step)
+            others = bool(self._pending - self._failed_cycle)  # try those before pausing
+            if not others:
+                self._failed_cycle.clear()
+            self._cond.notify_all()
+        self._failed(step, RemoteError(error[0], transient=error[1]))
+        if not others:
+            self._sleep()
 
-    def _send(self, step: int, done: dict):
-        if step not in self.local.steps():
-            return None  # deleted locally meanwhile (nothing to send)
+    def _attempt(self, step: int) -> tuple[str, bool] | None:
+        """Steps 2-4 of a round: None on success, else (error, transient) -- the same on every rank."""
+        error, files = None, []
+        try:
+            files = self._send(step)
+        except Exception as exc:  # noqa: BLE001 - exchanged with the other ranks, then handled
+            error = exc
+        results = self._gather({"ok": error is None, "error": self._describe(error),
+                                "transient": _transient(error), "files": [asdict(f) for f in files]})
+        bad = [(r, res) for r, res in enumerate(results) if not res["ok"]]
+        if bad:
+            rank, res = bad[0]
+            prefix = f"rank {rank} could not upload its shard: " if self.ranks is not None else ""
+            return prefix + res["error"], all(r["transient"] for _, r in bad)
+        outcome = None
+        if self.leader:
+            everyone = [UploadedFile(f["path"], f["size"], [PartEntry(**p) for p in f["parts"]])
+                        for res in results for f in res["files"]]
+            try:
+                self._commit(step, everyone)
+            except Exception as exc:  # noqa: BLE001
+                outcome = {"error": self._describe(exc), "transient": _transient(exc)}
+        outcome = self._gather(outcome)[0]
+        return None if outcome is None else (outcome["error"], outcome["transient"])
+
+    def _send(self, step: int) -> list[UploadedFile]:
         manifest = self.local.manifest(step)
         mine = manifest.shards if self.ranks is None else [manifest.shards[self.ranks.rank]]
-        if self.ranks is None or self.ranks.rank == 0:
+        if self.leader:
             self.remote.put_side_files(self.local.root)
+        done = self._done.setdefault(step, {})
         return self.remote.send_files(self.local.step_path(step), manifest, mine, self.codec, self.level,
                                       done=done, progress=self.progress)
 
-    def _apply_remote_retention(self) -> None:
+    def _commit(self, step: int, files: list[UploadedFile]) -> None:
+        if self.lease is not None:
+            self.lease.check()
+        self.remote.commit_upload(self.local.manifest(step), self.codec, files, self._done.get(step))
+        self.remote.write_latest(max(self.uploaded | {step}))
+
+    def _uploaded(self, step: int) -> None:
+        with self._cond:
+            self._current = None
+            self.uploaded.add(step)
+            self._done.pop(step, None)
+            self._confirmed = (max(self.uploaded), time.monotonic())
+            self._deletions |= {s for s in self._garbage if s < step}
+            self._garbage -= self._deletions
+            self._failed_rounds = 0
+            self._failed_cycle.clear()
+            self._failures.pop(step, None)
+            self._set(step, "uploaded")
+            self._cond.notify_all()
+        if self.leader:
+            self._apply_retention()
+            self._delete_pending()
+        self._write_status()
+        if self.on_uploaded:
+            self.on_uploaded(step)
+
+    def _supersede_below(self, step: int) -> None:
+        if self.mode != "newest":
+            return
+        with self._cond:
+            older = sorted(s for s in self._pending if s < step and not pins(self.keep_remote, s))
+            for s in older:
+                self._pending.discard(s)
+                self.superseded.add(s)
+                if self._done.pop(s, None):
+                    self._garbage.add(s)  # some parts were sent: ours to clean up
+                self._set(s, "superseded")
+        if older:
+            log.info("uploads lag: step(s) %s superseded by step %d", older, step)
+
+    # ---- rank 0's housekeeping --------------------------------------------------------------
+
+    def _note_sending(self, step: int) -> None:
+        try:
+            self.lease.note_sending(step)
+        except RemoteError as exc:  # the sends that follow will meet the same trouble
+            log.debug("could not record the step being sent: %s", exc)
+
+    def _ensure_lease(self) -> None:
+        if self.lease is not None and not self.lease.owned:
+            if self.lease.lost:
+                raise WriterConflictError(f"{self.remote.display_url}: {self.lease.lost}")
+            self.lease.acquire()
+
+    def _audit(self) -> list[int]:
+        """Re-check that the remote still holds the newest uploaded step; if not, which local ones it lost."""
+        with self._cond:
+            newest = max(self.uploaded) if self.uploaded else None
+            fresh = self._confirmed and self._confirmed[0] == newest and \
+                time.monotonic() - self._confirmed[1] < self.audit_interval
+        if newest is None or fresh:
+            return []
+        if self.remote.is_committed(newest):
+            with self._cond:
+                self._confirmed = (newest, time.monotonic())
+            return []
+        local = set(self.local.steps())
+        lost = sorted(s for s in self.uploaded & local if not self.remote.is_committed(s))
+        log.warning("%s: no longer holds uploaded step(s) %s (wiped or damaged?); the local copies are kept "
+                    "and uploaded again", self.remote.display_url, lost)
+        return lost
+
+    def _requeue_lost(self, lost: list[int]) -> None:
+        if not lost:
+            return
+        with self._cond:
+            self.uploaded -= set(lost)
+            self._pending |= set(lost) & set(self.local.steps())
+            self._confirmed = None
+            for s in lost:
+                self._set(s, "pending", "the remote lost it; uploading again")
+
+    def _idle_work(self) -> None:
+        try:
+            self._ensure_lease()
+            lost = self._audit()
+            if lost and self.ranks is None:
+                self._requeue_lost(lost)
+                with self._cond:
+                    self._cond.notify_all()
+            self._delete_pending()
+        except (RemoteError, WriterConflictError) as exc:
+            log.debug("idle remote check failed: %s", exc)
+
+    def _apply_retention(self) -> None:
         if self.keep_remote is None:
             return
-        newest = max(self.uploaded)
-        for step in plan_eviction(self.uploaded, self.keep_remote, protected=[newest]):
-            self.remote.delete(step)
-            with self._cond:
-                self.uploaded.discard(step)
+        with self._cond:
+            doomed = plan_eviction(self.uploaded, self.keep_remote, protected=[max(self.uploaded)])
+            self.uploaded -= set(doomed)
+            self.retired |= set(doomed)
+            self._deletions |= set(doomed)
 
-    # ---- status (for `tieredckpt ls`) ------------------------------------------------------
+    def _delete_pending(self) -> None:
+        """Delete queued remote steps (retention, abandoned half-uploads); failures stay queued."""
+        with self._cond:
+            todo = sorted(self._deletions)
+        for step in todo:
+            if self._stop.is_set():
+                return
+            try:
+                if self.lease is not None:
+                    self.lease.check()  # only the owner deletes
+                self.remote.delete(step)
+            except (RemoteError, WriterConflictError) as exc:
+                log.warning("deleting remote step %d failed (%s); it is retried later", step, exc)
+                return
+            with self._cond:
+                self._deletions.discard(step)
+
+    # ---- failures and waiting -----------------------------------------------------------------
+
+    def _failed(self, step: int | None, exc: Exception) -> None:
+        transient = _transient(exc)
+        message = self.remote.scrub(str(exc))
+        with self._cond:
+            self._failed_rounds += 1
+            self._last_error = {"unix": time.time(), "message": message, "transient": transient,
+                                "step": step}
+            if step is not None:
+                self._set(step, "retrying" if transient else "failed", message)
+            if not transient:
+                self._failures[-1 if step is None else step] = (message, time.monotonic())
+        if transient:
+            log.warning("upload%s: %s; retrying in %.1f s", f" of step {step}" if step is not None else "",
+                        message, self._delay())
+        else:
+            log.error("upload%s failed: %s; retrying every %.0f s (raised at close)",
+                      f" of step {step}" if step is not None else "", message, self.slow_retry)
+            if self.on_error is not None:
+                try:
+                    self.on_error(step, exc)
+                except Exception:  # noqa: BLE001 - a user's hook must not stop uploads
+                    log.exception("on_upload_error hook failed")
+        self._write_status()
+
+    def _delay(self) -> float:
+        with self._cond:
+            permanent = bool(self._last_error) and not self._last_error["transient"]
+            n = max(0, self._failed_rounds - 1)
+        return self.slow_retry if permanent else min(self.backoff[1], self.backoff[0] * 2 ** min(n, 30))
+
+    def _sleep(self) -> bool:
+        """Wait out the backoff (a new step to upload or close() cuts it short); True when stopping."""
+        delay = self._delay()
+        deadline = time.monotonic() + delay
+        with self._cond:
+            known = set(self._pending)
+            while not self._stop.is_set():
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or self._kick or (self.ranks is None and self._pending - known):
+                    break
+                self._cond.wait(min(remaining, 0.5))
+            self._kick = False
+        return self._stop.is_set()
+
+    def _gather(self, value):
+        return [value] if self.ranks is None else self.ranks.all_gather_json(value)
+
+    def _describe(self, exc: BaseException | None) -> str | None:
+        return None if exc is None else self.remote.scrub(f"{exc}" if isinstance(exc, TieredCkptError)
+                                                          else f"{type(exc).__name__}: {exc}")
+
+    # ---- status (for `tieredckpt ls` and store.list) ---------------------------------------------
 
     def _set(self, step: int, state: str, error: str | None = None) -> None:
         with self._cond:
@@ -251,19 +530,43 @@ class Uploader:
             if error:
                 entry["error"] = self.remote.scrub(error)
             self._status[step] = entry
-            if state == "uploaded":
-                self._status = {s: v for s, v in self._status.items() if v["state"] != "uploaded" or s == step}
-        self._write_status()
-
-    def _write_status(self) -> None:
-        with self._cond:
-            doc = {"remote": self.remote.display_url,
-                   "steps": {str(s): v for s, v in sorted(self._status.items())}}
-        try:
-            atomic_write_bytes(Path(self.local.root) / STATUS_FILE, json.dumps(doc, indent=1).encode())
-        except OSError as exc:  # status is informational; never fail an upload over it
-            log.debug("cannot write upload status: %s", exc)
 
     def status(self) -> dict[int, dict]:
         with self._cond:
-            return dict(self._status)
+            return {s: dict(v) for s, v in self._status.items()}
+
+    def summary(self) -> dict:
+        """How far uploads lag, and the last error: what `ls` and ``store.list()`` show."""
+        with self._cond:
+            return {"remote": self.remote.display_url, "mode": self.mode,
+                    "newest_uploaded": max(self.uploaded) if self.uploaded else None,
+                    "pending": sorted(self._pending), "uploading": self._current,
+                    "last_error": dict(self._last_error) if self._last_error else None,
+                    "failures": {str(s): e for s, (e, _) in self._failures.items()}}
+
+    def _write_status(self) -> None:
+        local = set(self.local.steps())
+        with self._cond:
+            self._status = {s: v for s, v in self._status.items() if s in local or v["state"] != "uploaded"}
+            if len(self._status) > 200:  # superseded steps of a long outage: keep the newest
+                self._status = dict(sorted(self._status.items())[-200:])
+            doc = {**self.summary(), "steps": {str(s): v for s, v in sorted(self._status.items())}}
+        try:
+            atomic_write_bytes(Path(self.local.root) / layout.STATUS_FILE, json.dumps(doc, indent=1).encode())
+        except OSError as exc:  # status is informational; never fail an upload over it
+            log.debug("cannot write upload status: %s", exc)
+
+    def _status_says_uploaded(self) -> bool:
+        try:
+            doc = json.loads((Path(self.local.root) / layout.STATUS_FILE).read_bytes())
+        except (OSError, ValueError):
+            return False
+        return isinstance(doc, dict) and doc.get("newest_uploaded") is not None
+
+
+def _transient(exc: BaseException | None) -> bool:
+    if isinstance(exc, RemoteError):
+        return exc.transient
+    if isinstance(exc, (TieredCkptError, ValueError, TypeError, PermissionError)):
+        return False
+    return isinstance(exc, OSError)  # local I/O trouble (a step rotated away mid-read...): try again

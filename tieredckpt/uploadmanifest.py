@@ -16,6 +16,13 @@ from .errors import ManifestError
 from .manifest import ShardManifest, check_relative_path
 
 UPLOAD_SCHEMA = 1
+MAX_UPLOAD_MANIFEST = 8 << 20  # ~40,000 parts; larger is not one we wrote (read with a bounded request)
+MAX_PART_RAW = 1 << 30  # a part's raw size (we write 64 MiB); bounds every allocation on download
+
+
+def max_stored(raw_size: int) -> int:
+    """The most bytes any codec of ours stores for ``raw_size`` raw bytes (zstd's worst case + framing)."""
+    return raw_size + raw_size // 64 + 4096
 
 
 @dataclass(frozen=True)
@@ -54,6 +61,8 @@ class UploadManifest:
     @classmethod
     def from_json(cls, text: str | bytes, source: str) -> "UploadManifest":
         """Parse and validate an untrusted upload manifest."""
+        if len(text) > MAX_UPLOAD_MANIFEST:
+            raise ManifestError(f"{source}: {len(text)} bytes is too large for an upload manifest")
         try:
             raw = json.loads(text)
         except (ValueError, RecursionError) as exc:
@@ -94,6 +103,9 @@ def _uploaded_file(raw, shard, where) -> UploadedFile:
         ints = [p.get(k) for k in ("offset", "raw_size", "stored_size")]
         if not all(type(v) is int and 0 <= v < 2**63 for v in ints) or p["offset"] != offset:
             raise ManifestError(f"{where}: parts[{j}] offsets/sizes are invalid or not contiguous")
+        if p["raw_size"] > MAX_PART_RAW or p["stored_size"] > max_stored(p["raw_size"]):
+            raise ManifestError(f"{where}: parts[{j}] declares {p['raw_size']} raw / {p['stored_size']} stored "
+                                f"bytes, beyond what tieredckpt writes (raw <= {MAX_PART_RAW})")
         crcs = [p.get("raw_crc32c"), p.get("stored_crc32c")]
         if not all(isinstance(c, str) and re.fullmatch(r"[0-9a-f]{8}", c) for c in crcs):
             raise ManifestError(f"{where}: parts[{j}] checksums are not 8 hex digits")

@@ -1,0 +1,257 @@
+"""The remote transport: every request to the fsspec filesystem, bounded in time, errors mapped.
+
+Owns four things and nothing else:
+
+- opening the filesystem from a URL and options. For S3 the request timeouts
+  are ours unless the caller sets them: connect 5 s, read 30 s, two attempts
+  inside botocore and s3fs (our callers retry with backoff themselves, so a
+  request never hides a minute of retries from the uploader);
+- a deadline on every request: ``request_timeout`` (default 60 s) plus one
+  second per MB moved. Async filesystems (s3fs) are cancelled at the deadline
+  (fsspec's ``sync(timeout=)`` wraps the coroutine in ``asyncio.wait_for``, so
+  the connection is dropped); synchronous ones run on a helper thread that is
+  abandoned at the deadline;
+- mapping every backend exception, in one place, to RemoteError (``transient``
+  says whether a retry may help), RemoteNotFoundError or RemoteAccessError;
+- keeping credentials out of every message: URLs without ``user:pass@``, and
+  option values that look like secrets replaced by ``***``.
+
+Paths handed to the methods are relative to the remote's root.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any, Callable
+
+import fsspec
+from fsspec.asyn import AsyncFileSystem
+
+from .credentials import redact_url, scrub, secret_values, url_secrets
+from .errors import RemoteAccessError, RemoteError, RemoteNotFoundError, TieredCkptError
+
+REQUEST_TIMEOUT = 60.0  # seconds per request, plus one second per MB it moves
+_BYTES_PER_SECOND = 1_000_000
+_S3_DEFAULTS = {"connect_timeout": 5, "read_timeout": 30, "retries": {"max_attempts": 2, "mode": "standard"}}
+
+
+class Transport:
+    def __init__(self, url: str, options: dict | None = None, *, fs: fsspec.AbstractFileSystem | None = None,
+                 request_timeout: float = REQUEST_TIMEOUT) -> None:
+        self.options = dict(options or {})
+        self.display_url = redact_url(url)
+        self._secrets = secret_values(self.options) + secret_values(dict(os.environ), env=True) + url_secrets(url)
+        self.protocol = fsspec.core.split_protocol(url)[0] or "file"
+        if fs is None:
+            fs, root = self._open(url)
+        else:
+            root = fs._strip_protocol(url)
+        self.fs = fs
+        self.root = root.rstrip("/")
+        self.request_timeout = request_timeout
+        self._async = isinstance(fs, AsyncFileSystem) and not getattr(fs, "asynchronous", False)
+        self._helpers = None if self._async else ThreadPoolExecutor(16, thread_name_prefix="tieredckpt-remote")
+
+    def _open(self, url: str):
+        options = dict(self.options)
+        if self.protocol in ("file", "local"):
+            options.setdefault("auto_mkdir", True)  # object stores need no directories; disks do
+        if self.protocol in ("s3", "s3a"):
+            config = dict(options.get("config_kwargs") or {})
+            for key, value in _S3_DEFAULTS.items():
+                config.setdefault(key, value)
+            options["config_kwargs"] = config
+            options.setdefault("skip_instance_cache", True)  # we tune this instance; never share it
+        try:
+            fs, root = fsspec.core.url_to_fs(url, **options)
+        except (ImportError, ValueError, TypeError) as exc:
+            raise TieredCkptError(self.scrub(f"{self.display_url}: cannot open this remote ({exc})")) from None
+        if self.protocol in ("s3", "s3a") and "retries" not in self.options:
+            fs.retries = 2  # s3fs's own retry loop; ours is the uploader's
+        return fs, root
+
+    # ---- names ------------------------------------------------------------------------
+
+    def path(self, *parts: str) -> str:
+        return "/".join([self.root, *[p for p in parts if p]])
+
+    def where(self, *parts: str) -> str:
+        """An object's name for messages: the URL without credentials."""
+        return "/".join([self.display_url.rstrip("/"), *[p for p in parts if p]])
+
+    def scrub(self, text: str) -> str:
+        return scrub(text, self._secrets)
+
+    # ---- requests -----------------------------------------------------------------------
+
+    def put(self, rel: str, data) -> None:
+        self._call("pipe_file", (self.path(rel), data), f"write {rel}", nbytes=len(data))
+
+    def get(self, rel: str, max_size: int) -> bytes:
+        """A whole object of at most ``max_size`` bytes; a larger one is refused unread (one ranged request)."""
+        data = self._call("cat_file", (self.path(rel),), f"read {rel}", kwargs={"start": 0, "end": max_size + 1},
+                          nbytes=max_size)
+        if len(data) > max_size:
+            raise RemoteError(f"{self.where(rel)}: larger than the {max_size} bytes allowed for it "
+                              "(not written by tieredckpt?)", transient=False)
+        return data
+
+    def get_optional(self, rel: str, max_size: int) -> bytes | None:
+        """Like :meth:`get`, but None when the object does not exist."""
+        try:
+            return self.get(rel, max_size)
+        except RemoteNotFoundError:
+            return None
+
+    def exists(self, rel: str) -> bool:
+        try:
+            self._call("info", (self.path(rel),), f"look up {rel}", fresh=rel)
+            return True
+        except RemoteNotFoundError:
+            return False
+
+    def list_dirs(self, rel: str = "") -> list[str]:
+        """Names of the entries directly under ``rel`` (one delimiter listing, paged by the backend)."""
+        try:
+            entries = self._call("ls", (self.path(rel),), f"list {rel or '/'}", kwargs={"detail": False},
+                                 fresh=rel or "/")
+        except RemoteNotFoundError:
+            return []
+        return [e.rstrip("/").rsplit("/", 1)[-1] for e in entries]
+
+    def list_files(self, rel: str) -> dict[str, int]:
+        """Every object below ``rel`` (recursively) as {path relative to ``rel``: size}."""
+        return {name: size for name, (size, _) in self.list_times(rel).items()}
+
+    def list_times(self, rel: str) -> dict[str, tuple[int, float | None]]:
+        """Every object below ``rel`` as {relative path: (size, modification time or None)}."""
+        base = self.fs._strip_protocol(self.path(rel)).rstrip("/") + "/"
+        try:
+            found = self._call("find", (self.path(rel),), f"list {rel}", kwargs={"detail": True}, fresh=rel)
+        except RemoteNotFoundError:
+            return {}
+        out = {}
+        for path, info in found.items():
+            path = path.rstrip("/")
+            if path.startswith(base) and info.get("type", "file") != "directory":
+                out[path[len(base):]] = (int(info.get("size") or 0), _mtime(info))
+        return out
+
+    def rm(self, rel: str) -> None:
+        """Delete one object; a missing one is fine."""
+        try:
+            self._call("rm_file", (self.path(rel),), f"delete {rel}")
+        except RemoteNotFoundError:
+            pass
+
+    def rm_tree(self, rel: str) -> None:
+        """Delete everything below ``rel``; nothing there is fine."""
+        try:
+            self._call("rm", (self.path(rel),), f"delete {rel}", kwargs={"recursive": True})
+        except RemoteNotFoundError:
+            pass
+
+    def probe(self, create: bool) -> None:
+        """One cheap request that tells a missing bucket or refused credentials from an empty remote.
+
+        Raises RemoteNotFoundError / RemoteAccessError (permanent) or a transient RemoteError.
+        ``create``: a writer may create the root directory of a disk-backed remote.
+        """
+        if self.protocol in ("s3", "s3a"):
+            bucket, key, _ = self.fs.split_path(self.root)
+            try:
+                self._call("call_s3", ("list_objects_v2",), f"list bucket {bucket}",
+                           kwargs={"Bucket": bucket, "Prefix": key.rstrip("/") + "/" if key else "", "MaxKeys": 1})
+            except RemoteNotFoundError:
+                raise RemoteNotFoundError(f"{self.display_url}: the bucket {bucket!r} does not exist "
+                                          "(or the endpoint is not the one that holds it)") from None
+            except RemoteAccessError as exc:
+                raise RemoteAccessError(f"{self.display_url}: access to bucket {bucket!r} was refused "
+                                        f"(credentials or permissions): {exc}") from None
+            return
+        if self.protocol in ("file", "local") and create:
+            self._call("makedirs", (self.root,), "create the remote directory", kwargs={"exist_ok": True})
+            return
+        if not self._call("exists", (self.root,), "look up the remote root", fresh="/"):
+            if self.protocol in ("file", "local", "memory") and not create:
+                raise RemoteNotFoundError(f"{self.display_url}: no such remote directory")
+            top = self.root.lstrip("/").split("/", 1)[0]
+            if top and top != self.root.lstrip("/") and not self._call("exists", (top,), f"look up {top}"):
+                raise RemoteNotFoundError(f"{self.display_url}: {top!r} does not exist")
+
+    # ---- the one place backend calls happen ---------------------------------------------
+
+    def _call(self, method: str, args: tuple, what: str, *, kwargs: dict | None = None, nbytes: int = 0,
+              fresh: str | None = None) -> Any:
+        """``fs.method(*args, **kwargs)`` within the deadline; errors mapped to ours.
+
+        ``fresh``: the call lists or looks up, so fsspec's listing cache is dropped first
+        (other writers change the remote behind our back)."""
+        kwargs = dict(kwargs or {})
+        timeout = self.request_timeout + nbytes / _BYTES_PER_SECOND
+        if fresh is not None:
+            self.fs.invalidate_cache()
+        try:
+            if self._async:
+                return getattr(self.fs, method)(*args, timeout=timeout, **kwargs)
+            return self._on_helper(getattr(self.fs, method), args, kwargs, timeout)
+        except TieredCkptError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - every backend error is mapped here
+            raise self.map_error(exc, what, timeout) from None
+
+    def _on_helper(self, fn: Callable, args: tuple, kwargs: dict, timeout: float) -> Any:
+        future = self._helpers.submit(fn, *args, **kwargs)
+        try:
+            return future.result(timeout)
+        except FutureTimeout:
+            future.cancel()  # if it has not started; a started call is abandoned to finish on its own
+            raise TimeoutError(f"no answer within {timeout:.0f} s") from None
+
+    def map_error(self, exc: BaseException, what: str, timeout: float | None = None) -> RemoteError:
+        if isinstance(exc, TimeoutError) and timeout is not None and not str(exc):
+            exc = TimeoutError(f"no answer within {timeout:.0f} s")
+        message = self.scrub(f"{self.display_url}: {what} failed: {type(exc).__name__}: {exc}")
+        if isinstance(exc, FileNotFoundError) or _NOT_FOUND.search(str(exc)):
+            return RemoteNotFoundError(message)
+        if isinstance(exc, PermissionError) or _DENIED.search(str(exc)):
+            return RemoteAccessError(message)
+        return RemoteError(message, transient=is_transient(exc))
+
+    def close(self) -> None:
+        if self._helpers is not None:
+            self._helpers.shutdown(wait=False, cancel_futures=True)
+
+
+def _mtime(info: dict) -> float | None:
+    """An object's modification time in Unix seconds, from whichever key the backend uses."""
+    for key in ("LastModified", "mtime", "last_modified", "updated", "created"):
+        value = info.get(key)
+        if hasattr(value, "timestamp"):
+            return value.timestamp()
+        if isinstance(value, (int, float)):
+            return float(value)
+    return None
+
+
+_NOT_FOUND = re.compile(r"\bNoSuchBucket\b")
+_DENIED = re.compile(r"\b(AccessDenied|InvalidAccessKeyId|SignatureDoesNotMatch|ExpiredToken|"
+                     r"InvalidToken|TokenRefreshRequired|Forbidden)\b")
+
+
+def is_transient(exc: BaseException) -> bool:
+    """True for errors a retry may fix: connection trouble, timeouts, 5xx, throttling."""
+    if isinstance(exc, (PermissionError, FileNotFoundError, NotADirectoryError, IsADirectoryError,
+                        ValueError, TypeError, TieredCkptError)):
+        return False
+    if isinstance(exc, (ConnectionError, TimeoutError, asyncio.TimeoutError)):
+        return True
+    text = f"{type(exc).__name__} {exc}"
+    if re.search(r"\b(5\d\d|SlowDown|Throttl|RequestTimeout|ServiceUnavailable|InternalError|"
+                 r"Connect|Timeout|reset|Broken pipe|EOF|temporar|Disconnected|Payload)", text, re.IGNORECASE):
+        return True
+    return isinstance(exc, OSError)  # other I/O trouble: worth a retry
