@@ -38,6 +38,7 @@ sys.path.insert(0, HERE)
 from common import median, table, warm_memory  # noqa: E402
 from s3server import CREDS, MotoServer  # noqa: E402
 
+from tieredckpt.local import LocalTier  # noqa: E402
 from tieredckpt.remote import RemoteTier  # noqa: E402
 from tieredckpt.sharded import save_sharded  # noqa: E402
 
@@ -101,7 +102,7 @@ def main() -> None:
         def ours_up(codec):
             def run():
                 remote.delete(3)
-                return remote.upload(Path(ckpt), codec=codec).stored_size
+                return remote.upload(Path(ckpt), manifest, codec=codec).stored_size
             return run
 
         def boto_upload_file():
@@ -130,12 +131,12 @@ def main() -> None:
         def ours_down(codec):
             def prepare():
                 remote.delete(3)
-                return remote.upload(Path(ckpt), codec=codec).stored_size
+                return remote.upload(Path(ckpt), manifest, codec=codec).stored_size
 
             def run():
-                dest = os.path.join(root, f"down-{codec}", "step_000003")
-                shutil.rmtree(os.path.dirname(dest), ignore_errors=True)
-                remote.download(3, Path(dest))
+                dest = os.path.join(root, f"down-{codec}")
+                shutil.rmtree(dest, ignore_errors=True)
+                LocalTier(dest).download(3, remote)
                 return stored[0]
             return prepare, run
 

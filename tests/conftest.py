@@ -51,6 +51,18 @@ def run_dir(tmp_path) -> Path:
     return tmp_path / "run"
 
 
+def rewrite_manifest(directory: os.PathLike, mutate) -> None:
+    """Edit a committed manifest as a hostile tool would: fields changed, its own digest recomputed
+    (so that what is tested is the validation of the fields, not the digest)."""
+    import json
+    from tieredckpt.manifest import DIGEST_KEY, canonical_digest
+    path = Path(directory) / "manifest.json"
+    raw = json.loads(path.read_text())
+    mutate(raw)
+    raw[DIGEST_KEY] = canonical_digest(raw)
+    path.write_text(json.dumps(raw))
+
+
 def flip_byte(path: os.PathLike, offset: int) -> None:
     with open(path, "r+b") as f:
         f.seek(offset)
@@ -132,3 +144,27 @@ class FlakyFS:
                     raise exc
             return attr(*args, **kwargs)
         return wrapped
+
+
+class Proxied:
+    """A fresh bucket on moto reached through a fault-injecting proxy (tests/faultproxy.py)."""
+
+    def __init__(self, server, proxy, bucket: str) -> None:
+        self.server, self.proxy, self.bucket = server, proxy, bucket
+        self.url = f"s3://{bucket}/run"
+        self.options = {**server.options(), "endpoint_url": proxy.endpoint}
+        self.direct = server.options()  # around the proxy: what the remote really holds
+
+    def remote(self):
+        from tieredckpt.remote import RemoteTier
+        return RemoteTier(self.url, self.direct)
+
+
+@pytest.fixture
+def proxied(moto_server):
+    from faultproxy import FaultProxy
+    proxy = FaultProxy(moto_server.endpoint).start()
+    bucket = f"proxied-{next(_counter)}-{uuid.uuid4().hex[:8]}"
+    moto_server.make_bucket(bucket)
+    yield Proxied(moto_server, proxy, bucket)
+    proxy.close()

@@ -52,6 +52,7 @@ class FaultProxy:
         self._cleared = threading.Event()
         self.counts: Counter = Counter()
         self.injected: Counter = Counter()
+        self.log: list[tuple[str, str]] = []  # (method, path) of every request, in order
         self._stop = False
 
     def start(self) -> "FaultProxy":
@@ -72,6 +73,11 @@ class FaultProxy:
     def reset_counts(self) -> None:
         with self._lock:
             self.counts.clear()
+            self.log.clear()
+
+    def requests(self, method: str | None = None, contains: str = "") -> list[str]:
+        with self._lock:
+            return [p for m, p in self.log if (method is None or m == method) and contains in p]
 
     def total(self) -> int:
         with self._lock:
@@ -121,6 +127,7 @@ class FaultProxy:
                 method, target, headers, body = request
                 with self._lock:
                     self.counts[method] += 1
+                    self.log.append((method, target.split("?")[0]))
                 mode = self._active(method, target)
                 if mode is not None:
                     with self._lock:

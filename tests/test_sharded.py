@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import flip_byte, trained
+from conftest import flip_byte, rewrite_manifest, trained
 from tieredckpt import (CheckpointExistsError, CheckpointNotFoundError, ChecksumMismatchError,
                         CorruptCheckpointError, ManifestError, MissingShardError, ShardCountMismatchError,
                         ShardManifest, WorldSizeMismatchError, load_sharded, save_sharded,
@@ -78,9 +78,7 @@ def test_world_size_change_is_refused(ckpt):
 
 def test_shard_count_mismatch_is_refused(ckpt):
     path, _ = ckpt
-    raw = json.loads((path / "manifest.json").read_text())
-    raw["shards"].pop()
-    (path / "manifest.json").write_text(json.dumps(raw))
+    rewrite_manifest(path, lambda raw: raw["shards"].pop())
     with pytest.raises(ShardCountMismatchError, match="3 shards for world_size 4"):
         load_sharded(path, 4)
 
@@ -125,10 +123,28 @@ def test_flipped_byte_in_the_manifest_is_refused(ckpt):
             flip_byte(path / "manifest.json", offset)
 
 
+def test_no_single_bit_flip_in_a_manifest_changes_what_it_says(ckpt):
+    path, _ = ckpt
+    data = (path / "manifest.json").read_bytes()
+    original = ShardManifest.from_json(data)
+    accepted = 0
+    for offset in range(len(data)):
+        for bit in range(8):
+            flipped = bytearray(data)
+            flipped[offset] ^= 1 << bit
+            try:
+                parsed = ShardManifest.from_json(bytes(flipped))
+            except ManifestError:
+                continue
+            accepted += 1  # only a flip that changes nothing it records (its own digest's key name)
+            assert parsed == original, (offset, bit)
+    assert accepted < 8 * len("manifest_sha256")
+
+
 def test_missing_manifest_means_no_checkpoint(ckpt):
     path, _ = ckpt
     os.unlink(path / "manifest.json")
-    with pytest.raises(ManifestError, match="manifest.json: missing"):
+    with pytest.raises(ManifestError, match="manifest.json: manifest is missing"):
         load_sharded(path, 4)
     with pytest.raises(CheckpointNotFoundError):
         load_sharded(path.parent / "nope", 4)
@@ -137,9 +153,7 @@ def test_missing_manifest_means_no_checkpoint(ckpt):
 @pytest.mark.parametrize("bad_path", ["../x", "/etc/passwd", "a/../../x", "", ".", "a//b", "..\\x"])
 def test_manifest_paths_must_stay_inside(ckpt, bad_path):
     path, _ = ckpt
-    raw = json.loads((path / "manifest.json").read_text())
-    raw["shards"][0]["path"] = bad_path
-    (path / "manifest.json").write_text(json.dumps(raw))
+    rewrite_manifest(path, lambda raw: raw["shards"][0].update(path=bad_path))
     with pytest.raises(ManifestError, match="shard path"):
         load_sharded(path, 4)
 
@@ -149,7 +163,7 @@ def test_symlink_escaping_the_checkpoint_is_refused(ckpt, tmp_path):
     outside = tmp_path / "outside.bin"
     os.replace(path / "rank0.bin", outside)
     os.symlink(outside, path / "rank0.bin")
-    with pytest.raises(ManifestError, match="outside the checkpoint directory"):
+    with pytest.raises(CorruptCheckpointError, match="rank0.bin: shard of rank 0 is a symlink; refused"):
         load_sharded(path, 4)
 
 

@@ -20,6 +20,8 @@
           +-- MissingShardError (also FileNotFoundError)    a shard the manifest names is gone
           +-- ChecksumMismatchError                         size, crc32c or sha256 differ
           +-- FlatFormatError                               a bad step_NNNNNN.bin
+          +-- UnreadableFileError                           a symlink, FIFO, device, too large, no permission
+     +-- DiskFullError (also OSError)                       no space for a checkpoint (names dir and size)
 
 Every message names the file (or value) and the reason. Code that catches a
 builtin (``except FileNotFoundError``) keeps working.
@@ -84,8 +86,21 @@ class FlatFormatError(CorruptCheckpointError):
     """A flat step_NNNNNN.bin file is malformed."""
 
 
+class UnreadableFileError(CorruptCheckpointError):
+    """A checkpoint file that cannot be read as one: a symlink, a FIFO or device, too large, no permission."""
+
+
+class DiskFullError(TieredCkptError, OSError):
+    """The disk has no room for the checkpoint (the message names the directory and the size)."""
+
+    def __str__(self) -> str:
+        return self.args[0] if self.args else ""
+
+
 class WriterConflictError(TieredCkptError):
     """Another live writer holds the run directory or the remote prefix (named in the message)."""
+
+    read_only_dir = False  # True: nobody holds it, but this directory cannot be written at all
 
 
 class DistributedCommitError(TieredCkptError):

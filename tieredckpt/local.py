@@ -42,14 +42,24 @@ class LocalTier:
         return self.root / layout.step_dir_name(step)
 
     def steps(self) -> list[int]:
-        """Committed steps, oldest first. Scratch and half-deleted dirs never appear."""
+        """Committed steps, oldest first. Scratch and half-deleted dirs never appear.
+
+        A step directory we may not look into is listed (so that reading it reports
+        why it fails, instead of the run silently going back to an older step)."""
         found = []
         if not self.root.is_dir():
             return found
         for entry in os.scandir(self.root):
             step = layout.parse_step_dir(entry.name)
-            if step is not None and os.path.exists(os.path.join(entry.path, layout.MANIFEST)):
-                found.append(step)
+            if step is None:
+                continue
+            try:
+                os.lstat(os.path.join(entry.path, layout.MANIFEST))
+            except FileNotFoundError:
+                continue
+            except OSError:  # EACCES, ENOTDIR...: it may be committed; its reader will say what is wrong
+                pass
+            found.append(step)
         return sorted(found)
 
     def latest_step(self) -> int | None:

@@ -7,11 +7,18 @@ The seed schema (``world_size``, ``step``, ``wall_clock_seconds``, ``shards`` of
 
 A manifest read from disk or a bucket is untrusted: :meth:`ShardManifest.from_json`
 checks every field's type and range, that ranks are exactly 0..world_size-1,
-and that every path is a plain relative path inside the checkpoint directory.
+that every path is a plain relative path inside the checkpoint directory, and
+that ``user`` nests at most 32 levels deep.
+
+A manifest also carries ``manifest_sha256``: the sha256 of its own canonical
+JSON (sorted keys, no spaces, every field but this one). A bit flip anywhere in
+the manifest -- a shard's checksum, an offset, ``user`` -- is refused on read.
+Manifests without it (written before it existed) are read unchecked.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from dataclasses import asdict, dataclass, field
@@ -21,6 +28,8 @@ from .errors import ManifestError, ShardCountMismatchError
 
 SCHEMA_VERSION = 1
 MAX_MANIFEST_BYTES = 64 << 20
+MAX_USER_DEPTH = 32
+DIGEST_KEY = "manifest_sha256"
 _INT_MAX = 2**63 - 1
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _HEX8 = re.compile(r"^[0-9a-f]{8}$")
@@ -50,7 +59,9 @@ class ShardManifest:
     user: dict = field(default_factory=dict)
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=1, sort_keys=False)
+        raw = asdict(self)
+        raw[DIGEST_KEY] = canonical_digest(raw)
+        return json.dumps(raw, indent=1, sort_keys=False)
 
     @classmethod
     def from_json(cls, text: str | bytes, source: str = "manifest") -> "ShardManifest":
@@ -61,11 +72,47 @@ class ShardManifest:
             raw = json.loads(text)
         except (ValueError, RecursionError) as exc:
             raise ManifestError(f"{source}: not valid JSON ({exc})") from None
+        if isinstance(raw, dict) and DIGEST_KEY in raw:
+            want = raw.pop(DIGEST_KEY)
+            if canonical_digest(raw) != want:
+                raise ManifestError(f"{source}: its content does not match its own manifest_sha256 "
+                                    "(corrupt or edited manifest)")
         return _validate(raw, source)
 
     @property
     def total_size(self) -> int:
         return sum(s.size for s in self.shards)
+
+
+def canonical_digest(raw: dict) -> str:
+    """sha256 of a manifest's canonical JSON, without its own digest field."""
+    body = {k: v for k, v in raw.items() if k != DIGEST_KEY}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def json_depth(value: object, limit: int) -> int:
+    """How deeply ``value`` nests (without recursion), stopping once past ``limit``."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        deepest = max(deepest, depth)
+        if deepest > limit:
+            return deepest
+        if isinstance(node, dict):
+            stack += [(v, depth + 1) for v in node.values()]
+        elif isinstance(node, list):
+            stack += [(v, depth + 1) for v in node]
+    return deepest
+
+
+def check_user(user: object, source: str) -> dict:
+    """A manifest's ``user`` entry: a JSON object nested at most MAX_USER_DEPTH levels."""
+    if not isinstance(user, dict):
+        raise ManifestError(f"{source}: 'user' must be an object")
+    if json_depth(user, MAX_USER_DEPTH) > MAX_USER_DEPTH:
+        raise ManifestError(f"{source}: 'user' nests deeper than {MAX_USER_DEPTH} levels")
+    return user
 
 
 def check_relative_path(path: object, source: str) -> str:
@@ -89,9 +136,7 @@ def _validate(raw: object, source: str) -> ShardManifest:
     step = _int(raw, "step", source)
     wall = _number(raw, "wall_clock_seconds", source)
     created = _number(raw, "created_unix", source, required=False)
-    user = raw.get("user", {})
-    if not isinstance(user, dict):
-        raise ManifestError(f"{source}: 'user' must be an object")
+    user = check_user(raw.get("user", {}), source)
     shards_raw = raw.get("shards")
     if not isinstance(shards_raw, list):
         raise ManifestError(f"{source}: 'shards' must be a list")

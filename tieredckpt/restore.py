@@ -23,7 +23,7 @@ import torch
 
 from . import layout
 from .atomic import building, fsync_dir, scratch_dir
-from .checksum import file_digest
+from .checksum import digest_buffer
 from .errors import (CheckpointNotFoundError, CorruptCheckpointError, DistributedCommitError,
                      IncompatibleStateError, RemoteError)
 from .local import LocalTier
@@ -32,7 +32,7 @@ from .ranks import RankGroup
 from .remote import RemoteTier
 from .reshard import reshard as reshard_states
 from .shardfile import read_shard
-from .sharded import load_rank, load_sharded_files, shard_path, write_manifest
+from .sharded import load_rank, load_sharded_files, open_shard, shard_path, write_manifest
 
 log = logging.getLogger("tieredckpt")
 
@@ -44,8 +44,42 @@ class Restorer:
         self.verify, self.node_leader, self.read_only = verify, node_leader, read_only
         self.rank = ranks.rank if ranks else 0
 
-    def choose(self, step: int | None) -> tuple[int | None, list[int], list[int]]:
-        """(step to restore or None, local steps, remote steps).
+    def restore(self, step: int | None, reshard: bool = False) -> tuple[int | None, Any]:
+        """(step, state) of the named step, or of the newest step that loads and verifies.
+
+        With no step named, each refused newer step (corrupt, malformed, unreadable,
+        on either tier) is named in a warning, its local copy is moved to
+        ``quarantine/`` (so the run can save that step number again), and the next
+        older one is tried. (None, None) when no tier holds any checkpoint."""
+        candidates, local_steps, remote_steps = self.choose(step)
+        refused = []
+        for candidate in candidates:
+            try:
+                return candidate, self.load(candidate, local_steps, remote_steps, reshard)
+            except Exception as exc:  # noqa: BLE001 - refusals are handled, anything else re-raised
+                if step is not None or not _refusal(exc):
+                    raise
+                refused.append(f"step {candidate}: {exc}")
+                older = [c for c in candidates if c < candidate]
+                _warn(f"step {candidate} refused ({exc}); " +
+                      (f"trying step {older[0]}" if older else "no older step is left"))
+                self._set_aside(candidate, exc)
+        if refused:
+            raise CorruptCheckpointError(f"{self.local.root}: no checkpoint restores: " + "; ".join(refused))
+        return None, None
+
+    def _set_aside(self, step: int, exc: Exception) -> None:
+        """Move a refused local copy to quarantine/ (one process that may write, and only a real copy)."""
+        if self.ranks is not None or self.read_only or isinstance(exc, (CheckpointNotFoundError, DistributedCommitError)):
+            return
+        if self.local.step_path(step).is_dir():
+            try:
+                self.local.quarantine(step, f"refused on restore: {exc}")
+            except OSError as err:
+                log.warning("could not move %s aside: %s", self.local.step_path(step), err)
+
+    def choose(self, step: int | None) -> tuple[list[int], list[int], list[int]]:
+        """(steps to try, newest first -- just ``step`` when one is named; local steps; remote steps).
 
         A remote that cannot be listed (an outage) leaves the local steps; with none
         of those either, that is an error, never "no checkpoint yet"."""
@@ -66,9 +100,7 @@ class Restorer:
             if step is None and not candidates and any(every):
                 raise CheckpointNotFoundError(f"no step is available to every rank (per rank: "
                                               f"{[c[-3:] for c in every]}); restore a named step or repair")
-        if step is None and candidates:
-            step = candidates[-1]
-        return step, local_steps, remote_steps
+        return ([step] if step is not None else candidates[::-1]), local_steps, remote_steps
 
     def load(self, step: int, local_steps: list[int], remote_steps: list[int], reshard: bool = False) -> Any:
         world = self.ranks.world_size if self.ranks else 1
@@ -110,18 +142,27 @@ class Restorer:
         return reshard_states(states, spans, world)[0][self.rank]
 
     def _agree(self, fn: Callable[[], Any], what: str) -> Any:
-        """Run ``fn`` on every rank; if it fails anywhere, raise everywhere (no rank goes on alone)."""
+        """Run ``fn`` on every rank; if it fails anywhere, raise everywhere (no rank goes on alone).
+
+        When every failure is a refusal (a corrupt or missing copy), the other ranks'
+        error says so (``refused``), so that all ranks move on to an older step together."""
         result, error = None, None
         try:
             result = fn()
         except Exception as exc:  # noqa: BLE001 - reported to every rank
             error = exc
-        outcomes = self.ranks.all_gather_json(f"{type(error).__name__}: {error}" if error else None)
-        if error is not None:
-            raise error
+        outcomes = self.ranks.all_gather_json(
+            {"error": f"{type(error).__name__}: {error}", "refused": _refusal(error)} if error else None)
         failed = [(r, o) for r, o in enumerate(outcomes) if o]
+        every_refused = all(o["refused"] for _, o in failed)
+        if error is not None:
+            if _refusal(error) and not every_refused:  # another rank failed for good: so do we
+                raise DistributedCommitError(f"{what}: {error}; and another rank failed for good") from error
+            raise error
         if failed:
-            raise DistributedCommitError(f"{what}: rank {failed[0][0]} failed ({failed[0][1]})")
+            exc = DistributedCommitError(f"{what}: rank {failed[0][0]} failed ({failed[0][1]['error']})")
+            exc.refused = every_refused
+            raise exc
         return result
 
     def _load_rank(self, step: int, local_steps: list[int], remote_steps: list[int]) -> Any:
@@ -195,10 +236,18 @@ class Restorer:
                                          f"crc32c differs from the manifest's {entry.crc32c}")
 
 
+def _refusal(exc: BaseException | None) -> bool:
+    """An error that refuses one step (a bad or vanished copy): an older step may still restore."""
+    return isinstance(exc, (CorruptCheckpointError, CheckpointNotFoundError)) or \
+        (isinstance(exc, DistributedCommitError) and getattr(exc, "refused", False))
+
+
 def _bad(directory: Path, entry) -> bool:
     """True when ``directory``'s copy of the shard is missing, short or fails its crc32c."""
     try:
-        return file_digest(shard_path(directory, entry), sha256=False).crc32c != entry.crc32c
+        with open_shard(directory, entry) as f:
+            buf = f.map()
+        return digest_buffer(buf, sha256=False).crc32c != entry.crc32c
     except (CorruptCheckpointError, FileNotFoundError):
         return True
 

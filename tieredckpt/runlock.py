@@ -38,8 +38,10 @@ class RunLock:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         except OSError as exc:
             if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
-                raise WriterConflictError(f"{self.path.parent}: cannot write here ({exc.strerror}); "
-                                          "open it with read_only=True to restore from it") from None
+                error = WriterConflictError(f"{self.path.parent}: cannot write here ({exc.strerror}); "
+                                            "open it with read_only=True to restore from it")
+                error.read_only_dir = True
+                raise error from None
             raise
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

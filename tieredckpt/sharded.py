@@ -17,6 +17,8 @@ the checkpoint is complete. No manifest ever points at a partial shard.
 
 from __future__ import annotations
 
+import errno
+import json
 import os
 import shutil
 import time
@@ -25,11 +27,14 @@ from typing import Any, Sequence
 
 from . import layout, tree
 from .atomic import building, fsync_file, write_all
-from .checksum import file_digest
-from .errors import (CheckpointExistsError, CheckpointNotFoundError, ChecksumMismatchError,
-                     ManifestError, MissingShardError, WorldSizeMismatchError)
-from .manifest import ShardEntry, ShardManifest
-from .shardfile import read_shard, write_flattened, write_shard
+from .checksum import digest_buffer
+from .errors import (CheckpointExistsError, CheckpointNotFoundError, ChecksumMismatchError, DiskFullError,
+                     ManifestError, UnsupportedStateError, WorldSizeMismatchError)
+from .manifest import MAX_MANIFEST_BYTES, MAX_USER_DEPTH, ShardEntry, ShardManifest, json_depth
+from .safefile import Checked, open_checked, read_small
+from .shardfile import decode, read_shard, write_flattened, write_shard
+
+_ANY_SIZE = 1 << 62
 from .staging import Staged
 
 
@@ -51,6 +56,19 @@ def save_sharded(state_dict_per_rank: Sequence[Any], dir: str | os.PathLike, ste
     spans = list(param_shards) if param_shards is not None else _default_spans(state_dict_per_rank)
     if len(spans) != len(state_dict_per_rank):
         raise ValueError(f"param_shards has {len(spans)} entries for {len(state_dict_per_rank)} ranks")
+    user = check_user_value(user)
+    try:
+        return _save(state_dict_per_rank, final, step, spans, wall_clock_seconds, user)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or isinstance(exc, DiskFullError):
+            raise
+        need = sum(state_nbytes(s) for s in state_dict_per_rank)
+        free = shutil.disk_usage(final.parent).free
+        raise DiskFullError(f"{final.parent}: {exc.strerror}: step {step} needs about {need} bytes, {free} "
+                            "are free (its scratch copy was removed; nothing committed was touched)") from exc
+
+
+def _save(state_dict_per_rank, final: Path, step: int, spans, wall_clock_seconds, user) -> ShardManifest:
     with building(final) as tmp:  # shards, then the manifest, then the atomic rename
         entries = []
         for rank, state in enumerate(state_dict_per_rank):
@@ -64,6 +82,18 @@ def save_sharded(state_dict_per_rank: Sequence[Any], dir: str | os.PathLike, ste
                                  created_unix=time.time(), user=dict(user or {}))
         write_manifest(tmp, manifest)  # last: names only durable shards
     return manifest
+
+
+def check_user_value(user: dict | None) -> dict:
+    """``user`` as the manifest will hold it: plain JSON, nested at most MAX_USER_DEPTH levels."""
+    user = dict(user or {})
+    try:
+        json.dumps(user)
+    except (TypeError, ValueError) as exc:
+        raise UnsupportedStateError(f"user={user!r:.200}: not plain JSON ({exc})") from None
+    if json_depth(user, MAX_USER_DEPTH) > MAX_USER_DEPTH:
+        raise UnsupportedStateError(f"user: nested deeper than {MAX_USER_DEPTH} levels")
+    return user
 
 
 def write_manifest(directory: Path, manifest: ShardManifest) -> None:
@@ -83,6 +113,11 @@ def write_rank(path: Path, state: Any):
     return write_shard(path, state)
 
 
+def state_nbytes(state: Any) -> int:
+    tensors = state.tensors if isinstance(state, Staged) else tree.flatten(state)[1]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
 def state_numel(state: Any) -> int:
     """How many tensor elements a rank's state (or Staged snapshot) holds."""
     tensors = state.tensors if isinstance(state, Staged) else tree.flatten(state)[1]
@@ -99,16 +134,18 @@ def _default_spans(states: Sequence[Any]) -> list[tuple[int, int]]:
 
 
 def read_manifest(dir: str | os.PathLike) -> ShardManifest:
-    """The validated manifest of a committed checkpoint directory."""
+    """The validated manifest of a committed checkpoint directory (read through safefile)."""
     directory = Path(dir)
     if not directory.is_dir():
         raise CheckpointNotFoundError(f"{directory}: no such checkpoint directory")
     path = directory / layout.MANIFEST
-    try:
-        text = path.read_bytes()
-    except FileNotFoundError:
-        raise ManifestError(f"{path}: missing; {directory} is not a committed checkpoint") from None
-    return ShardManifest.from_json(text, source=str(path))
+    text = read_small(directory, layout.MANIFEST, MAX_MANIFEST_BYTES, "manifest", missing=ManifestError)
+    manifest = ShardManifest.from_json(text, source=str(path))
+    named = layout.parse_step_dir(directory.name)
+    if named is not None and named != manifest.step:
+        raise ManifestError(f"{path}: records step {manifest.step}, but its directory is step {named} "
+                            "(copied or renamed?)")
+    return manifest
 
 
 def shard_paths(dir: str | os.PathLike, manifest: ShardManifest) -> list[Path]:
@@ -117,20 +154,21 @@ def shard_paths(dir: str | os.PathLike, manifest: ShardManifest) -> list[Path]:
 
 
 def shard_path(dir: str | os.PathLike, entry: ShardEntry) -> Path:
-    """One shard's path, checked to exist, to match its recorded size, and to stay inside ``dir``."""
-    root = Path(dir).resolve()
-    path = Path(dir) / entry.path
-    if not path.resolve().is_relative_to(root):
-        raise ManifestError(f"{path}: resolves outside the checkpoint directory {root} (symlink?)")
-    try:
-        size = path.stat().st_size
-    except FileNotFoundError:
-        raise MissingShardError(f"{path}: shard of rank {entry.rank} is missing") from None
-    if size != entry.size:
+    """One shard's path, checked (a regular file inside ``dir``, its recorded size)."""
+    with open_shard(dir, entry):
+        pass
+    return Path(dir) / entry.path
+
+
+def open_shard(dir: str | os.PathLike, entry: ShardEntry) -> Checked:
+    """One shard opened through safefile, its size checked against the manifest."""
+    f = open_checked(dir, entry.path, _ANY_SIZE, f"shard of rank {entry.rank}")
+    if f.size != entry.size:
+        f.close()
         raise ChecksumMismatchError(
-            f"{path}: {size} bytes on disk but the manifest records {entry.size} "
-            f"({'truncated or partial write' if size < entry.size else 'file grew'})")
-    return path
+            f"{f.path}: {f.size} bytes on disk but the manifest records {entry.size} "
+            f"({'truncated or partial write' if f.size < entry.size else 'file grew'})")
+    return f
 
 
 def load_rank(dir: str | os.PathLike, rank: int, expected_world_size: int, verify: str = "crc") -> Any:
@@ -141,7 +179,7 @@ def load_rank(dir: str | os.PathLike, rank: int, expected_world_size: int, verif
             f"{Path(dir) / layout.MANIFEST}: written by world_size {manifest.world_size}, "
             f"loading with {expected_world_size} (pass reshard=True to restore to reshard it)")
     entry = manifest.shards[rank]
-    return read_shard(shard_path(dir, entry), size=entry.size, crc32c=entry.crc32c, sha256=entry.sha256,
+    return read_shard(Path(dir) / entry.path, size=entry.size, crc32c=entry.crc32c, sha256=entry.sha256,
                       verify=verify)
 
 
@@ -166,7 +204,8 @@ def load_sharded_files(dir: str | os.PathLike, manifest: ShardManifest, verify: 
 
 
 def verify_checkpoint(dir: str | os.PathLike, full: bool = False) -> ShardManifest:
-    """Check every shard's size and crc32c (and sha256 when ``full``) without decoding."""
+    """Check every shard's size and crc32c; with ``full``, also sha256 and decode every
+    shard as a load would (a file whose checksums match but which no load accepts fails)."""
     manifest = read_manifest(dir)
     verify_checkpoint_files(dir, manifest, full)
     return manifest
@@ -210,11 +249,15 @@ def verify_present(dir: str | os.PathLike, full: bool = False) -> tuple[ShardMan
 
 def verify_checkpoint_files(dir: str | os.PathLike, manifest: ShardManifest, full: bool = False,
                             entries=None) -> None:
-    """Check the shards in ``dir`` against ``manifest`` (sizes, crc32c, and sha256 if ``full``)."""
+    """Check the shards in ``dir`` against ``manifest`` (sizes, crc32c; with ``full`` sha256 and a decode)."""
     entries = manifest.shards if entries is None else entries
-    for path, entry in zip([shard_path(dir, e) for e in entries], entries):
-        got = file_digest(path, sha256=full)
+    for entry in entries:
+        with open_shard(dir, entry) as f:
+            buf = f.map()
+        got = digest_buffer(buf, sha256=full)
         if got.crc32c != entry.crc32c:
-            raise ChecksumMismatchError(f"{path}: crc32c {got.crc32c} does not match the manifest's {entry.crc32c} (corrupt)")
+            raise ChecksumMismatchError(f"{f.path}: crc32c {got.crc32c} does not match the manifest's {entry.crc32c} (corrupt)")
         if full and got.sha256 != entry.sha256:
-            raise ChecksumMismatchError(f"{path}: sha256 {got.sha256} does not match the manifest's {entry.sha256} (corrupt)")
+            raise ChecksumMismatchError(f"{f.path}: sha256 {got.sha256} does not match the manifest's {entry.sha256} (corrupt)")
+        if full:
+            decode(buf, str(f.path))  # parses the header and every tensor entry, as a load does

@@ -20,15 +20,17 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from . import tree
 from .atomic import write_all
-from .checksum import CHUNK, Digest, StreamDigest, digest_buffer, map_file
+from .checksum import CHUNK, Digest, StreamDigest, digest_buffer
 from .errors import ChecksumMismatchError, CorruptCheckpointError, UnsupportedStateError
 from .memview import byte_view
+from .safefile import open_checked
 
 FORMAT_KEY = "tieredckpt"
 FORMAT_VERSION = 1
@@ -126,18 +128,20 @@ def read_shard(path: str | os.PathLike, *, size: int | None = None, crc32c: str 
 def read_verified(path, *, size=None, crc32c=None, sha256=None, verify="crc") -> torch.Tensor:
     """The file's bytes as one uint8 tensor, after size and checksum checks.
 
-    The tensor is a private copy-on-write mapping of the file: no copy, no
-    fresh pages, and writes to it never reach the file. Committed shards are
-    immutable, and the mapping stays valid if rotation unlinks the file.
+    The file is opened once through safefile (a regular file, no symlink) and the
+    tensor is a private copy-on-write mapping of that descriptor: no copy, no fresh
+    pages, and writes to it never reach the file. Committed shards are immutable,
+    and the mapping stays valid if rotation unlinks the file.
     """
     if verify not in VERIFY_MODES:
         raise ValueError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
-    actual = os.stat(path).st_size
-    if size is not None and actual != size:
-        raise ChecksumMismatchError(
-            f"{path}: {actual} bytes on disk but the manifest records {size} "
-            f"({'truncated or partial write' if actual < size else 'file grew'})")
-    buf = map_file(path, actual)
+    path = Path(path)
+    with open_checked(path.parent, path.name, 1 << 62, "shard") as f:
+        if size is not None and f.size != size:
+            raise ChecksumMismatchError(
+                f"{path}: {f.size} bytes on disk but the manifest records {size} "
+                f"({'truncated or partial write' if f.size < size else 'file grew'})")
+        buf = f.map()
     if verify == "none":
         return buf
     got = digest_buffer(buf, sha256=verify == "sha256")
@@ -149,13 +153,12 @@ def read_verified(path, *, size=None, crc32c=None, sha256=None, verify="crc") ->
 
 
 def read_header(path: str | os.PathLike) -> dict:
-    """The parsed, validated header of a shard file (tensor index and metadata)."""
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        n = _header_length(f.read(8), size, str(path))
-        raw = f.read(n)
-    header = _parse_header(raw, size - 8 - n, str(path))
-    return header
+    """The parsed, validated header of a shard file (tensor index and metadata), read safely."""
+    path = Path(path)
+    with open_checked(path.parent, path.name, 1 << 62, "shard") as f:
+        n = _header_length(os.pread(f.fd, 8, 0), f.size, str(path))
+        raw = os.pread(f.fd, n, 8)
+    return _parse_header(raw, f.size - 8 - n, str(path))
 
 
 def decode(buf: torch.Tensor, source: str) -> Any:
@@ -226,9 +229,12 @@ def _check_entry(name, entry, data_len, source):
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
         raise bad(f"invalid data_offsets {offsets!r}")
     start, end = offsets
-    numel = 1
+    numel, extent = 1, 1
     for d in shape:
         numel *= d
+        extent *= max(d, 1)
+    if extent >= 2**62:  # torch computes strides from the nonzero dims: refuse before it overflows
+        raise bad(f"shape {shape} is too large for any tensor")
     if not 0 <= start <= end <= data_len:
         raise bad(f"data_offsets {offsets} fall outside the {data_len}-byte data section")
     if end - start != numel * torch.empty((), dtype=dtype).element_size():

@@ -34,6 +34,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -44,7 +45,8 @@ from typing import Any, Callable
 
 from . import layout
 from .codec import CODECS
-from .errors import BackgroundSaveError, CheckpointExistsError, DistributedCommitError, RemoteError
+from .errors import (BackgroundSaveError, CheckpointExistsError, DistributedCommitError, RemoteError,
+                     TieredCkptError, WriterConflictError)
 from .lease import WriterLease
 from .local import LocalTier
 from .manifest import ShardManifest
@@ -54,7 +56,7 @@ from .restore import Restorer, load_into
 from .retention import Policy
 from .runlock import RunLock
 from .runlog import RunLog, fork_run
-from .sharded import save_sharded
+from .sharded import check_user_value, save_sharded
 from .shardfile import VERIFY_MODES
 from .signals import Requests, handle_signals
 from .staging import Stager
@@ -95,7 +97,10 @@ class SaveHandle:
         except FutureTimeout:
             raise
         except Exception as exc:
+            self.raised = True  # the store will not raise it a second time
             raise BackgroundSaveError(f"saving step {self.step} failed: {exc}") from exc
+
+    raised = False
 
 
 class CheckpointStore(AbstractContextManager):
@@ -159,6 +164,7 @@ class CheckpointStore(AbstractContextManager):
         self._pending: SaveHandle | None = None
         self._closed = False
         self._rotate_lock = threading.Lock()
+        self._wall_base, self._wall_start = 0.0, time.monotonic()  # training time, carried across resumes
         self._lock = RunLock(self.local.root)
         self.remote: RemoteTier | None = None
         self.uploader: Uploader | None = None
@@ -184,8 +190,17 @@ class CheckpointStore(AbstractContextManager):
             self.uploader.start()
 
     def _take_lock(self) -> None:
-        if not self.read_only and self._node_leader:
+        if self.read_only or not self._node_leader:
+            return
+        try:
             self._lock.acquire()
+        except WriterConflictError as exc:
+            if not exc.read_only_dir:
+                raise
+            _warn(f"{exc}; opened as a reader (restores work, saves do not)")
+            self.read_only = self._fell_back_to_reading = True
+            return
+        self.local.clean_stale_once()  # what a killed save or restore left behind
 
     def _open_remote(self, takeover: bool) -> WriterLease | None:
         """Fail fast on what no retry fixes (no bucket, access denied, another writer);
@@ -254,6 +269,7 @@ class CheckpointStore(AbstractContextManager):
             self.uploader.wait_for_room()  # uploads="all" only; never raises
         if (self.local.step_path(step) / layout.MANIFEST).exists():
             raise CheckpointExistsError(f"{self.local.step_path(step)}: step {step} is already committed")
+        user = check_user_value(user)  # a bad one is refused here, not in the background
         self.requests.clear_save()  # a signal from now on asks for another save
         staged = self._stager.stage(state)
         future = self._writer.submit(self._write, step, staged, user, param_span)
@@ -265,12 +281,14 @@ class CheckpointStore(AbstractContextManager):
         # checkpoint committed atomically (on every rank: ranks.commit_rank) ->
         # latest moved -> queued for upload -> old steps rotated out.
         self.run.sync()
+        self.local.clean_stale_once()
+        wall = self._wall_base + time.monotonic() - self._wall_start  # the run's training time so far
         if self.ranks is None:
-            self.local.clean_stale_once()
-            manifest = save_sharded([staged], self.local.step_path(step), step, user=user)
+            self.local.clear_leftover(step)  # a step dir without a manifest is moved aside, not in our way
+            manifest = save_sharded([staged], self.local.step_path(step), step, user=user, wall_clock_seconds=wall)
         else:
-            self.local.clean_stale_once()
-            manifest = commit_rank(self.local.root, step, staged, self._commit_ranks, param_span=param_span, user=user)
+            manifest = commit_rank(self.local.root, step, staged, self._commit_ranks, param_span=param_span,
+                                   user=user, wall_clock_seconds=wall)
         # Committed. What follows can only warn: the checkpoint is safe whatever happens next.
         try:
             if self._node_leader:
@@ -339,8 +357,9 @@ class CheckpointStore(AbstractContextManager):
         return True
 
     def _finish_pending(self) -> None:
+        """Wait for the previous write; raise its failure unless its handle already did."""
         pending, self._pending = self._pending, None
-        if pending is not None:
+        if pending is not None and not pending.raised:
             pending.wait()
 
     def close(self, drain_uploads: bool | None = None) -> None:
@@ -404,6 +423,8 @@ class CheckpointStore(AbstractContextManager):
 
         Returns None only when the run has no checkpoint on any tier and no step was
         named; a remote that cannot be asked is an error then, never an empty run.
+        With no step named, a newer step that does not load and verify (on either tier)
+        is named in a warning, moved to ``quarantine/`` and the next older one is used.
         ``into`` maps top-level keys to objects with ``load_state_dict`` (a model,
         an optimizer...), which are loaded from the matching saved entries; every
         key is checked before any object is touched. ``mark_resume`` records the
@@ -414,17 +435,29 @@ class CheckpointStore(AbstractContextManager):
         """
         self._check_open()
         self._finish_pending()
-        step, local_steps, remote_steps = self._restorer.choose(step)
-        if step is None:
-            return None
         if self.rank == 0 and self.remote is not None and not self.read_only:
             self._fetch_side_files()
-        state = self._restorer.load(step, local_steps, remote_steps, reshard)
+        step, state = self._restorer.restore(step, reshard)
+        if step is None:
+            return None
+        self._resumed_from(step)
         if into:
             load_into(state, into, self.local.step_path(step))
-        if mark_resume and self.rank == 0 and not self.read_only:
-            self.run.mark_resume(step)
+        if mark_resume and self.rank == 0:
+            if getattr(self, "_fell_back_to_reading", False):
+                _warn(f"{self.local.root}: cannot be written; the resume is not recorded in the loss history")
+            elif not self.read_only:
+                self.run.mark_resume(step)
         return state
+
+    def _resumed_from(self, step: int) -> None:
+        """Carry the run's training time on from the restored checkpoint."""
+        try:
+            if step in self.local.steps():
+                self._wall_base = self.local.manifest(step).wall_clock_seconds
+                self._wall_start = time.monotonic()
+        except TieredCkptError:
+            pass
 
     def _fetch_side_files(self) -> None:
         """Complete the run's side files from the remote (each missing one, a longer loss history)."""

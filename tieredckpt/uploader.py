@@ -108,6 +108,8 @@ class Uploader:
                 self._pending.add(step)
                 self._set(step, "pending")
             self._cond.notify_all()
+        if self.ranks is None:  # many ranks supersede in their rounds, in lockstep
+            self._supersede_below(step)
         self._write_status()
 
     def pending(self) -> list[int]:
@@ -120,8 +122,8 @@ class Uploader:
         The newest uploaded step stays until the remote was seen holding it within the
         last two audit intervals (so a wiped remote never costs the last good copy)."""
         with self._cond:
-            if not self._known:
-                return set()
+            if not self._known:  # the remote not asked yet: only what this process superseded
+                return self.superseded - self._pending - {self._current}
             ok = (self.uploaded | self.superseded | self.retired) - self._pending - {self._current}
             if self.uploaded:
                 newest = max(self.uploaded)
@@ -145,10 +147,12 @@ class Uploader:
         when a step failed for good (waiting longer would not help)."""
         start = time.monotonic()
         deadline = None if timeout is None else start + timeout
+        unknown = bool(self.local.steps())  # until the remote is read, local steps may be owed
         with self._cond:
             self._kick = True  # a retry waiting out its backoff goes now
             self._cond.notify_all()
-            while (self._pending or self._current is not None or not self._known) and self._thread.is_alive():
+            while (self._pending or self._current is not None or (unknown and not self._known)) \
+                    and self._thread.is_alive():
                 if any(when >= start for _, when in self._failures.values()):
                     break  # failing for good right now: waiting on would not help
                 remaining = None if deadline is None else deadline - time.monotonic()
@@ -226,7 +230,7 @@ class Uploader:
         with self._cond:  # steps enqueued while we asked stay queued unless the remote has them
             self.uploaded = set(state["uploaded"])
             self._pending = (set(state["pending"]) | self._pending) & set(self.local.steps()) - self.uploaded
-            self.superseded = set(local) - self.uploaded - self._pending
+            self.superseded |= set(local) - self.uploaded - self._pending
             if self.uploaded:
                 self._confirmed = (max(self.uploaded), time.monotonic())
             for step in self._pending:

@@ -1,0 +1,138 @@
+"""What a 60 s remote outage costs a training loop: save() blocks, local disk, catching up.
+
+    python benchmarks/bench_outage.py [--params 12800000] [--outage 60] [--interval 2] [--repeats 3]
+
+A loop saves GPT-shaped model + AdamW state (12.8M params -> 154 MB) every
+``--interval`` seconds into a store whose remote is moto's S3 server (its own
+process) reached through the fault-injecting proxy of the test suite. Phases:
+
+  normal   10 saves with the remote up: the normal save() stall;
+  outage   ``--outage`` seconds in which every request fails: a third answered
+           503 SlowDown, a third reset, a third left hanging unanswered;
+  return   the proxy passes requests again and the loop stops saving: how long
+           until the remote's newest step is the loop's newest, with no call
+           from the user.
+
+Reported per run: the longest and median save() block in each phase (the peer is
+the normal stall of the same run), the most local steps on disk during the
+outage (bound: keep_local + 2), and the catch-up time. ``--all-mode`` adds the
+same outage (a third as long) for ``uploads="all"``, the back-pressure mode,
+which does block saves while the remote is down.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, ".."))
+sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+sys.path.insert(0, HERE)
+from common import model_adamw_state, state_bytes, table, warm_memory  # noqa: E402
+from faultproxy import FaultProxy  # noqa: E402
+from s3server import MotoServer  # noqa: E402
+
+from tieredckpt import CheckpointStore  # noqa: E402
+from tieredckpt.remote import RemoteTier  # noqa: E402
+
+MODES = ("503", "reset", "drop")
+
+
+def one_run(server, proxy, bucket, state, args, uploads: str, outage: float) -> dict:
+    server.make_bucket(bucket)
+    url = f"s3://{bucket}/run"
+    direct = RemoteTier(url, server.options())
+    run_dir = tempfile.mkdtemp(prefix="bench-outage-")
+    store = CheckpointStore(run_dir, url, remote_options={**server.options(), "endpoint_url": proxy.endpoint},
+                            keep_local=args.keep, uploads=uploads, request_timeout=10.0,
+                            upload_backoff=(0.5, 5.0, 30.0))
+    blocks = {"normal": [], "outage": []}
+    step, most_local = 0, 0
+    try:
+        def train(phase: str, seconds: float | None, count: int | None = None) -> None:
+            nonlocal step, most_local
+            end = time.monotonic() + (seconds or 1e9)
+            n = 0
+            while time.monotonic() < end and (count is None or n < count):
+                step += 1
+                n += 1
+                state["step"] = step
+                start = time.perf_counter()
+                handle = store.save(step, state)
+                blocks[phase].append(time.perf_counter() - start)
+                handle.wait()
+                most_local = max(most_local, len(store.local.steps())) if phase == "outage" else most_local
+                time.sleep(args.interval)
+
+        warm_memory(int(2.5 * state_bytes(state)))
+        train("normal", None, count=10)
+        store.wait(uploads=True, timeout=600)
+        returned: list[float] = []
+
+        def outage_schedule() -> None:  # by the clock, whatever the loop is doing
+            for mode in MODES:
+                proxy.set(mode)
+                time.sleep(outage / len(MODES))
+            proxy.clear()
+            returned.append(time.monotonic())
+        schedule = threading.Thread(target=outage_schedule)
+        schedule.start()
+        train("outage", outage)
+        schedule.join()
+        while direct.newest_step() != step:
+            time.sleep(0.05)
+        caught_up = time.monotonic() - returned[0]
+        store.close()
+    finally:
+        proxy.clear()
+        shutil.rmtree(run_dir, ignore_errors=True)
+    return {"normal": blocks["normal"], "outage": blocks["outage"], "local": most_local, "catch_up": caught_up}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--params", type=int, default=12_800_000)
+    p.add_argument("--outage", type=float, default=60.0)
+    p.add_argument("--interval", type=float, default=2.0, help="seconds of 'training' between saves")
+    p.add_argument("--keep", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--all-mode", action="store_true", help="also measure uploads='all' (blocks by design)")
+    args = p.parse_args()
+    state = model_adamw_state(args.params)
+    print(f"state: {state_bytes(state) / 1e9:.3f} GB; a save every {args.interval:g} s; "
+          f"outage {args.outage:g} s ({', '.join(MODES)}); keep_local={args.keep}", flush=True)
+    server = MotoServer().start()
+    proxy = FaultProxy(server.endpoint).start()
+    rows = []
+    try:
+        plans = [("newest", args.outage)] * args.repeats
+        if args.all_mode:
+            plans += [("all", args.outage / 3)]
+        for i, (uploads, outage) in enumerate(plans):
+            r = one_run(server, proxy, f"outage-{i}", state, args, uploads, outage)
+            normal, during = max(r["normal"]), max(r["outage"])
+            rows.append((f"{i + 1} uploads={uploads}", f"{outage:.0f}", f"{statistics.median(r['normal']) * 1e3:.0f}",
+                         f"{normal * 1e3:.0f}", f"{statistics.median(r['outage']) * 1e3:.0f}",
+                         f"{during * 1e3:.0f}", f"{during / normal:.2f}x", len(r["outage"]),
+                         f"{r['local']}", f"{r['catch_up']:.1f}"))
+            print(table(rows[-1:], HEADERS), flush=True)
+    finally:
+        proxy.close()
+        server.kill()
+    print()
+    print(table(rows, HEADERS))
+
+
+HEADERS = ("run", "outage s", "normal median ms", "normal max ms", "outage median ms", "outage max ms",
+           "max vs normal", "saves in outage", "most local steps", "catch-up s")
+
+
+if __name__ == "__main__":
+    main()
