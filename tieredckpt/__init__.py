@@ -12,8 +12,8 @@ from .retention import AnyOf, KeepEvery, KeepLast
 from .rng import capture_rng, restore_rng
 from .runlog import LossHistory, RunLog
 from .sharded import load_sharded, save_sharded, verify_checkpoint
-from .errors import (DistributedCommitError, NotARunDirectoryError, RemoteAccessError, RemoteError,
-                     RemoteNotFoundError, UploadError, WriterConflictError)
+from .errors import (DiskFullError, DistributedCommitError, NotARunDirectoryError, RemoteAccessError, RemoteError,
+                     RemoteNotFoundError, UnreadableFileError, UploadError, WriterConflictError)
 from .store import CheckpointInfo, CheckpointStore, SaveHandle
 
 __version__ = "0.1.0"
@@ -24,7 +24,8 @@ __all__ = [
     "ChecksumMismatchError", "CorruptCheckpointError", "FlatCheckpoint", "FlatFormatError",
     "KeepEvery", "KeepLast", "LocalTier", "ManifestError", "MissingShardError",
     "ShardCountMismatchError", "StoreConfig", "UploadError", "RemoteError", "RemoteAccessError",
-    "RemoteNotFoundError", "WriterConflictError", "DistributedCommitError", "NotARunDirectoryError", "ShardEntry", "ShardManifest", "TieredCkptError",
+    "RemoteNotFoundError", "WriterConflictError", "DistributedCommitError", "NotARunDirectoryError",
+    "DiskFullError", "UnreadableFileError", "ShardEntry", "ShardManifest", "TieredCkptError",
     "UnsupportedStateError", "WorldSizeMismatchError", "__version__", "flat_to_model",
     "load_sharded", "model_to_flat", "read_flat", "save_sharded", "verify_checkpoint", "write_flat",
 ]

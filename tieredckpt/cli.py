@@ -34,7 +34,7 @@ from .errors import TieredCkptError
 from .local import LocalTier
 from .runlock import RunLock
 from .shardfile import read_header
-from .sharded import verify_present
+from .sharded import open_shard, verify_present
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -372,8 +372,15 @@ def cmd_inspect(args) -> int:
           f"{_size(manifest.total_size)} in {len(manifest.shards)} shards")
     for key, value in manifest.user.items():
         print(f"  {key}: {value}")
+    problems = 0
     for entry in manifest.shards:
-        header = read_header(path / entry.path)
+        try:
+            open_shard(path, entry).close()  # a regular file of the recorded size
+            header = read_header(path / entry.path)
+        except TieredCkptError as exc:
+            problems += 1
+            print(f"  rank {entry.rank}: {entry.path}  BAD: {exc}")
+            continue
         header.pop("__metadata__", None)
         print(f"  rank {entry.rank}: {entry.path}  {_size(entry.size)}  crc32c {entry.crc32c}  "
               f"params [{entry.param_shard_offset}, +{entry.param_shard_numel})  {len(header)} tensors")
@@ -381,7 +388,7 @@ def cmd_inspect(args) -> int:
             print(f"      {name:<48} {info['dtype']:<5} {info['shape']}")
         if len(header) > 20:
             print(f"      ... and {len(header) - 20} more")
-    return 0
+    return 1 if problems else 0
 
 
 def cmd_convert(args) -> int:

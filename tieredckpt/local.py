@@ -53,13 +53,8 @@ class LocalTier:
             step = layout.parse_step_dir(entry.name)
             if step is None:
                 continue
-            try:
-                os.lstat(os.path.join(entry.path, layout.MANIFEST))
-            except FileNotFoundError:
-                continue
-            except OSError:  # EACCES, ENOTDIR...: it may be committed; its reader will say what is wrong
-                pass
-            found.append(step)
+            if _has_manifest(Path(entry.path)):
+                found.append(step)
         return sorted(found)
 
     def latest_step(self) -> int | None:
@@ -165,8 +160,21 @@ class LocalTier:
             if step is None:
                 raise CheckpointNotFoundError(f"{self.root}: the run has no committed checkpoint")
         path = self.step_path(step)
-        if not (path / layout.MANIFEST).exists():
+        if not _has_manifest(path):
             have = self.steps()
             raise CheckpointNotFoundError(
                 f"{path}: no committed checkpoint for step {step} (have: {have[-5:] if have else 'none'})")
         return path
+
+
+def _has_manifest(step_dir: Path) -> bool:
+    """True when the step directory holds a manifest -- or may: one we cannot look into
+    (EACCES, ENOTDIR...) counts, so that reading it says what is wrong instead of the
+    run silently going back to an older step."""
+    try:
+        os.lstat(step_dir / layout.MANIFEST)
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True
+    return True

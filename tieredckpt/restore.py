@@ -51,19 +51,27 @@ class Restorer:
         on either tier) is named in a warning, its local copy is moved to
         ``quarantine/`` (so the run can save that step number again), and the next
         older one is tried. (None, None) when no tier holds any checkpoint."""
-        candidates, local_steps, remote_steps = self.choose(step)
-        refused = []
-        for candidate in candidates:
-            try:
-                return candidate, self.load(candidate, local_steps, remote_steps, reshard)
-            except Exception as exc:  # noqa: BLE001 - refusals are handled, anything else re-raised
-                if step is not None or not _refusal(exc):
-                    raise
-                refused.append(f"step {candidate}: {exc}")
-                older = [c for c in candidates if c < candidate]
-                _warn(f"step {candidate} refused ({exc}); " +
-                      (f"trying step {older[0]}" if older else "no older step is left"))
-                self._set_aside(candidate, exc)
+        for attempt in (1, 2):  # a second look when the writer rotated away what we were reading
+            candidates, local_steps, remote_steps = self.choose(step)
+            refused, vanished = [], False
+            for candidate in candidates:
+                try:
+                    return candidate, self.load(candidate, local_steps, remote_steps, reshard)
+                except Exception as exc:  # noqa: BLE001 - refusals are handled, anything else re-raised
+                    gone = self.ranks is None and candidate in local_steps and \
+                        not self.local.step_path(candidate).exists()
+                    if gone and attempt == 1:
+                        vanished = True  # rotation removed it while we read: list again
+                        break
+                    if step is not None or not _refusal(exc):
+                        raise
+                    refused.append(f"step {candidate}: {exc}")
+                    older = [c for c in candidates if c < candidate]
+                    _warn(f"step {candidate} refused ({exc}); " +
+                          (f"trying step {older[0]}" if older else "no older step is left"))
+                    self._set_aside(candidate, exc)
+            if not vanished:
+                break
         if refused:
             raise CorruptCheckpointError(f"{self.local.root}: no checkpoint restores: " + "; ".join(refused))
         return None, None

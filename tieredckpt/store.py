@@ -185,9 +185,11 @@ class CheckpointStore(AbstractContextManager):
         except BaseException:
             self._release()
             raise
-        self._restorer = Restorer(self.local, self.remote, self.ranks, verify, self._node_leader, read_only)
+        self._restorer = Restorer(self.local, self.remote, self.ranks, verify, self._node_leader, self.read_only)
         if self.uploader is not None:
-            self.uploader.start()
+            self.uploader.start()  # it rotates once it knows what the remote holds
+        elif self.remote is None:
+            self._rotate()  # keep_local applies from the start (a smaller one frees disk at once)
 
     def _take_lock(self) -> None:
         if self.read_only or not self._node_leader:

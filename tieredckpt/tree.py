@@ -65,7 +65,10 @@ def flatten(state: Any) -> tuple[Any, list[torch.Tensor], list[str]]:
             "(convert it, e.g. numpy arrays with torch.from_numpy)"
         )
 
-    skeleton = walk(state, ())
+    try:
+        skeleton = walk(state, ())
+    finally:
+        del walk  # a recursive closure is a reference cycle: break it, or the tensors wait for the GC
     return skeleton, tensors, names
 
 
@@ -111,6 +114,8 @@ def unflatten(skeleton: Any, tensors: list[torch.Tensor], source: str = "checkpo
         return build(skeleton, 0)
     except RecursionError as exc:
         raise bad("nested too deeply") from exc
+    finally:
+        del build  # the recursive closure's cycle would keep the file mappings alive until the GC
 
 
 def _check_scalar(value: Any) -> Any:

@@ -276,6 +276,8 @@ class Uploader:
         lost, lease_error = [], None
         if self.leader:
             try:
+                if self._failed_rounds:  # after a failure, one cheap request first: no encoding
+                    self.remote.latest_pointer()  # and sending of parts while the remote is still down
                 self._ensure_lease()
                 lost = self._audit()
             except (RemoteError, WriterConflictError) as exc:
