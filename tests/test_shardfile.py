@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 from conftest import flip_byte, train_step, trained
 from tieredckpt import CorruptCheckpointError, UnsupportedStateError
 from tieredckpt.compare import first_difference
-from tieredckpt.shardfile import read_header, read_shard, write_shard
+from tieredckpt.shardfile import read_shard, write_shard
+from tieredckpt.shardheader import read_header
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32,
           torch.int16, torch.int8, torch.uint8, torch.bool]

@@ -1,31 +1,46 @@
-"""tieredckpt: crash-safe, pickle-free, tiered checkpoints for PyTorch training runs."""
+"""tieredckpt: crash-safe, pickle-free, tiered checkpoints for PyTorch training runs.
 
-from .errors import (BackgroundSaveError, IncompatibleStateError, CheckpointExistsError, CheckpointNotFoundError,
-                     ChecksumMismatchError, CorruptCheckpointError, FlatFormatError, ManifestError,
-                     MissingShardError, ShardCountMismatchError, TieredCkptError,
-                     UnsupportedStateError, WorldSizeMismatchError)
-from .config import StoreConfig
-from .flat import FlatCheckpoint, flat_to_model, model_to_flat, read_flat, write_flat
-from .local import LocalTier
-from .manifest import ShardEntry, ShardManifest
-from .retention import AnyOf, KeepEvery, KeepLast
-from .rng import capture_rng, restore_rng
-from .runlog import LossHistory, RunLog
-from .sharded import load_sharded, save_sharded, verify_checkpoint
-from .errors import (DiskFullError, DistributedCommitError, NotARunDirectoryError, RemoteAccessError, RemoteError,
-                     RemoteNotFoundError, UnreadableFileError, UploadError, WriterConflictError)
-from .store import CheckpointInfo, CheckpointStore, SaveHandle
+Names are imported on first use (PEP 562), so that ``import tieredckpt`` -- and
+the command line's read-only commands -- do not pay for importing torch.
+"""
+
+from __future__ import annotations
+
+import importlib
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "AnyOf", "BackgroundSaveError", "CheckpointInfo", "CheckpointStore", "IncompatibleStateError",
-    "LossHistory", "RunLog", "SaveHandle", "capture_rng", "restore_rng", "CheckpointExistsError", "CheckpointNotFoundError",
-    "ChecksumMismatchError", "CorruptCheckpointError", "FlatCheckpoint", "FlatFormatError",
-    "KeepEvery", "KeepLast", "LocalTier", "ManifestError", "MissingShardError",
-    "ShardCountMismatchError", "StoreConfig", "UploadError", "RemoteError", "RemoteAccessError",
-    "RemoteNotFoundError", "WriterConflictError", "DistributedCommitError", "NotARunDirectoryError",
-    "DiskFullError", "UnreadableFileError", "ShardEntry", "ShardManifest", "TieredCkptError",
-    "UnsupportedStateError", "WorldSizeMismatchError", "__version__", "flat_to_model",
-    "load_sharded", "model_to_flat", "read_flat", "save_sharded", "verify_checkpoint", "write_flat",
-]
+_WHERE = {
+    # the store a training loop holds
+    "CheckpointStore": "store", "SaveHandle": "store", "CheckpointInfo": "store", "StoreConfig": "config",
+    "KeepLast": "retention", "KeepEvery": "retention", "AnyOf": "retention",
+    "capture_rng": "rng", "restore_rng": "rng", "LossHistory": "runlog", "RunLog": "runlog",
+    "LocalTier": "local",
+    # the low-level format the seed names, and the flat single-run format
+    "ShardManifest": "manifest", "ShardEntry": "manifest",
+    "save_sharded": "sharded", "load_sharded": "sharded", "verify_checkpoint": "sharded",
+    "FlatCheckpoint": "flat", "read_flat": "flat", "write_flat": "flat", "model_to_flat": "flat",
+    "flat_to_model": "flat",
+    # errors
+    **{name: "errors" for name in (
+        "TieredCkptError", "CheckpointNotFoundError", "NotARunDirectoryError", "CheckpointExistsError",
+        "UnsupportedStateError", "WorldSizeMismatchError", "BackgroundSaveError", "IncompatibleStateError",
+        "WriterConflictError", "DistributedCommitError", "UploadError", "RemoteError", "RemoteNotFoundError",
+        "RemoteAccessError", "CorruptCheckpointError", "ManifestError", "ShardCountMismatchError",
+        "MissingShardError", "ChecksumMismatchError", "FlatFormatError", "UnreadableFileError", "DiskFullError")},
+}
+
+__all__ = sorted(_WHERE) + ["__version__"]
+
+
+def __getattr__(name: str):
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'tieredckpt' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value  # the next lookup is a plain attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

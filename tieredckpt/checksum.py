@@ -15,10 +15,9 @@ import queue
 import threading
 from dataclasses import dataclass
 
-import crc32c as _crc32c
-import torch
+import mmap
 
-from .memview import byte_view
+import crc32c as _crc32c
 
 CHUNK = 16 << 20  # large sequential I/O: 16 MiB
 
@@ -140,17 +139,17 @@ class StreamDigest:
         self._queues, self._threads = [], []
 
 
-def map_file(path: str | os.PathLike, size: int) -> torch.Tensor:
+def map_file(path: str | os.PathLike, size: int):
     """A private (copy-on-write) read mapping of a file as a uint8 tensor."""
+    import torch
     if size == 0:
         return torch.empty(0, dtype=torch.uint8)
     return torch.from_file(str(path), shared=False, size=size, dtype=torch.uint8)
 
 
-def digest_buffer(buf: torch.Tensor, sha256: bool) -> Digest:
-    """Digest of a uint8 tensor's bytes: crc32c alone on two threads at once; with
-    sha256, in chunks beside it (sha256 is the slower one and cannot be split)."""
-    view = byte_view(buf)
+def digest_view(view: memoryview, sha256: bool) -> Digest:
+    """Digest of a buffer: crc32c alone on two threads at once; with sha256, in chunks
+    beside it (sha256 is the slower one and cannot be split)."""
     if not sha256:
         return Digest(len(view), crc_hex(crc32c_parallel(view)), None)
     digest = StreamDigest(sha256=sha256)
@@ -159,6 +158,28 @@ def digest_buffer(buf: torch.Tensor, sha256: bool) -> Digest:
     return digest.finish()
 
 
+def digest_buffer(buf, sha256: bool) -> Digest:
+    """Digest of a uint8 tensor's bytes (see digest_view)."""
+    from .memview import byte_view
+    return digest_view(byte_view(buf), sha256)
+
+
+def digest_fd(fd: int, size: int, sha256: bool) -> Digest:
+    """Digest of an open file, read through a read-only mapping (no copies, no torch)."""
+    if size == 0:
+        return digest_view(memoryview(b""), sha256)
+    with mmap.mmap(fd, size, prot=mmap.PROT_READ) as mapped:
+        view = memoryview(mapped)
+        try:
+            return digest_view(view, sha256)
+        finally:
+            view.release()
+
+
 def file_digest(path: str | os.PathLike, sha256: bool) -> Digest:
     """Digest of a whole file, read through a mapping (no copies)."""
-    return digest_buffer(map_file(path, os.stat(path).st_size), sha256)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return digest_fd(fd, os.fstat(fd).st_size, sha256)
+    finally:
+        os.close(fd)

@@ -33,7 +33,7 @@ from . import layout
 from .errors import TieredCkptError
 from .local import LocalTier
 from .runlock import RunLock
-from .shardfile import read_header
+from .shardheader import read_header
 from .sharded import open_shard, verify_present
 
 

@@ -40,6 +40,7 @@ STATE = ".state.json"
 ARCHIVE = "archive"
 PROVENANCE = "provenance.json"
 QUARANTINE = "quarantine"
+CODECS = ("raw", "zstd", "zstd-planes")  # how a part of a shard is stored on the remote (codec.py)
 SIDE_FILES = (LOSS, SAMPLES, STATE)
 SYNCED_FILES = (LOSS, SAMPLES, STATE, PROVENANCE)  # travel with the run to the remote
 _ARCHIVE_RE = re.compile(r"^archive/pivot_step_\d{6,}(?:-\d+)?/[\w.-]+$")

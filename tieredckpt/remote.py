@@ -35,10 +35,8 @@ from typing import Callable
 from . import layout
 from .atomic import atomic_write_bytes
 from .checksum import crc32c_update, crc_hex, map_file
-from .codec import decode_into, encode
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, ManifestError, RemoteError, RemoteNotFoundError
 from .manifest import ShardManifest
-from .memview import byte_view
 from .sharded import shard_path
 from .transport import REQUEST_TIMEOUT, Transport
 from .uploadmanifest import MAX_UPLOAD_MANIFEST, PartEntry, UploadedFile, UploadManifest
@@ -181,6 +179,8 @@ class RemoteTier:
                               f"on the remote (first: {missing[0]}); sending them again", transient=True)
 
     def _upload_file(self, path, name, size, step_dir, codec, level, done, progress) -> list[PartEntry]:
+        from .codec import encode  # torch: only when something is sent
+        from .memview import byte_view
         buf = map_file(path, size)
         parts: list[PartEntry] = []
         in_flight = threading.BoundedSemaphore(self.concurrency + 1)
@@ -244,6 +244,7 @@ class RemoteTier:
                 os.close(fd)
 
     def _fetch_part(self, upload: UploadManifest, fd: int, part: PartEntry, progress) -> None:
+        from .codec import decode_into  # torch: only when something is fetched
         rel = f"{layout.step_dir_name(upload.step)}/{part.path}"
         stored = self.t.get(rel, part.stored_size)  # never more than the manifest declares
         got = crc_hex(crc32c_update(stored))

@@ -1,6 +1,8 @@
 """Restoring: which step, from which tier, for which rank -- and loading it verified.
 
-    Restorer.choose(step)  -> the newest step every rank can restore (or the named one)
+    Restorer.restore(step) -> (step, state): the named step, or the newest that loads,
+                              older ones tried in turn when a newer one is refused
+    Restorer.candidates()  -> which steps to try, asking the remote as little as possible
     Restorer.load(step)    -> this rank's state:
         one rank:   the local copy if it verifies, else the remote copy, downloaded
                     into the local tier with the commit protocol (a corrupt local
@@ -23,7 +25,6 @@ import torch
 
 from . import layout
 from .atomic import building, fsync_dir, scratch_dir
-from .checksum import digest_buffer
 from .errors import (CheckpointNotFoundError, CorruptCheckpointError, DistributedCommitError,
                      IncompatibleStateError, RemoteError)
 from .local import LocalTier
@@ -52,9 +53,9 @@ class Restorer:
         ``quarantine/`` (so the run can save that step number again), and the next
         older one is tried. (None, None) when no tier holds any checkpoint."""
         for attempt in (1, 2):  # a second look when the writer rotated away what we were reading
-            candidates, local_steps, remote_steps = self.choose(step)
+            local_steps, remote_steps = self.local.steps(), RemoteSteps(self.remote)
             refused, vanished = [], False
-            for candidate in candidates:
+            for candidate in self.candidates(step, local_steps, remote_steps):
                 try:
                     return candidate, self.load(candidate, local_steps, remote_steps, reshard)
                 except Exception as exc:  # noqa: BLE001 - refusals are handled, anything else re-raised
@@ -66,9 +67,7 @@ class Restorer:
                     if step is not None or not _refusal(exc):
                         raise
                     refused.append(f"step {candidate}: {exc}")
-                    older = [c for c in candidates if c < candidate]
-                    _warn(f"step {candidate} refused ({exc}); " +
-                          (f"trying step {older[0]}" if older else "no older step is left"))
+                    _warn(f"step {candidate} refused ({exc}); trying an older step")
                     self._set_aside(candidate, exc)
             if not vanished:
                 break
@@ -86,29 +85,46 @@ class Restorer:
             except OSError as err:
                 log.warning("could not move %s aside: %s", self.local.step_path(step), err)
 
-    def choose(self, step: int | None) -> tuple[list[int], list[int], list[int]]:
-        """(steps to try, newest first -- just ``step`` when one is named; local steps; remote steps).
+    def candidates(self, step: int | None, local_steps: list[int], remote_steps: "RemoteSteps"):
+        """The steps to try, newest first: just ``step`` when one is named.
 
-        A remote that cannot be listed (an outage) leaves the local steps; with none
-        of those either, that is an error, never "no checkpoint yet"."""
-        local_steps = self.local.steps()
-        remote_steps: list[int] = []
-        if self.remote is not None:
-            try:
-                remote_steps = self.remote.steps()
-            except RemoteError as exc:
-                if not exc.transient or (not local_steps and step is None):
-                    raise RemoteError(f"{exc}; cannot tell which checkpoints the remote holds, so nothing "
-                                      "is restored (starting from scratch could lose a run)", exc.transient) from None
-                _warn(f"{exc}; restoring from the local checkpoints only")
-        candidates = sorted(set(local_steps) | set(remote_steps))
-        if self.ranks is not None:  # only a step that every rank can restore
-            every = self.ranks.all_gather_json(candidates)
-            candidates = sorted(set.intersection(*map(set, every)))
-            if step is None and not candidates and any(every):
-                raise CheckpointNotFoundError(f"no step is available to every rank (per rank: "
-                                              f"{[c[-3:] for c in every]}); restore a named step or repair")
-        return ([step] if step is not None else candidates[::-1]), local_steps, remote_steps
+        One process: the newer of the local newest and the remote's newest (two requests
+        when its ``latest`` pointer is right), and only if that one is refused, every
+        other step of either tier (one delimiter listing of the remote's step dirs).
+        Many ranks: the steps every rank has, agreed by all of them.
+        A remote that cannot be asked (an outage) leaves the local steps; with none of
+        those either, that is an error, never "no checkpoint yet"."""
+        if step is not None:
+            yield step
+            return
+        newest = None
+        try:
+            if self.ranks is not None:
+                yield from self._agreed(local_steps, remote_steps)
+                return
+            newest = max([*local_steps[-1:], *filter(None, [remote_steps.newest()])], default=None)
+            if newest is None:
+                return
+            yield newest
+            rest = sorted((set(local_steps) | set(remote_steps.dirs())) - {newest}, reverse=True)
+        except RemoteError as exc:
+            if not exc.transient or not local_steps:
+                raise RemoteError(f"{exc}; cannot tell which checkpoints the remote holds, so nothing "
+                                  "is restored (starting from scratch could lose a run)", exc.transient) from None
+            _warn(f"{exc}; restoring from the local checkpoints only")
+            remote_steps.unreachable = True
+            rest = sorted(local_steps, reverse=True)
+        yield from (s for s in rest if s < (newest if newest is not None else float("inf")))
+
+    def _agreed(self, local_steps: list[int], remote_steps: "RemoteSteps") -> list[int]:
+        """Many ranks: only a step that every rank can restore, newest first."""
+        candidates = sorted(set(local_steps) | set(remote_steps.dirs()))
+        every = self.ranks.all_gather_json(candidates)
+        agreed = sorted(set.intersection(*map(set, every)), reverse=True)
+        if not agreed and any(every):
+            raise CheckpointNotFoundError(f"no step is available to every rank (per rank: "
+                                          f"{[c[-3:] for c in every]}); restore a named step or repair")
+        return agreed
 
     def load(self, step: int, local_steps: list[int], remote_steps: list[int], reshard: bool = False) -> Any:
         world = self.ranks.world_size if self.ranks else 1
@@ -223,7 +239,7 @@ class Restorer:
         elif step not in remote_steps:
             where = f" or {self.remote.display_url}" if self.remote is not None else ""
             raise CheckpointNotFoundError(f"step {step}: no committed checkpoint in {self.local.root}{where} "
-                                          f"(have: {sorted(set(local_steps) | set(remote_steps))[-5:]})")
+                                          f"(local: {local_steps[-5:] or 'none'})")
         if self.read_only:  # a reader writes nothing: fetch into a private temp dir, load, drop it
             upload = self.remote.upload_manifest(step)
             with scratch_dir(None) as tmp:
@@ -244,6 +260,40 @@ class Restorer:
                                          f"crc32c differs from the manifest's {entry.crc32c}")
 
 
+class RemoteSteps:
+    """Which steps the remote holds, asked lazily and remembered: the newest in two requests
+    (the ``latest`` pointer, confirmed), any one step in one, all step dirs in one listing.
+    With no remote it holds nothing."""
+
+    def __init__(self, remote: RemoteTier | None) -> None:
+        self.remote = remote
+        self.unreachable = False
+        self._known: dict[int, bool] = {}
+        self._dirs: list[int] | None = None
+
+    def newest(self) -> int | None:
+        if self.remote is None or self.unreachable:
+            return None
+        step = self.remote.newest_step()
+        if step is not None:
+            self._known[step] = True
+        return step
+
+    def dirs(self) -> list[int]:
+        if self.remote is None or self.unreachable:
+            return []
+        if self._dirs is None:
+            self._dirs = self.remote.step_dirs()
+        return self._dirs
+
+    def __contains__(self, step: int) -> bool:
+        if self.remote is None or self.unreachable:
+            return False
+        if step not in self._known:
+            self._known[step] = self.remote.is_committed(step)
+        return self._known[step]
+
+
 def _refusal(exc: BaseException | None) -> bool:
     """An error that refuses one step (a bad or vanished copy): an older step may still restore."""
     return isinstance(exc, (CorruptCheckpointError, CheckpointNotFoundError)) or \
@@ -254,8 +304,7 @@ def _bad(directory: Path, entry) -> bool:
     """True when ``directory``'s copy of the shard is missing, short or fails its crc32c."""
     try:
         with open_shard(directory, entry) as f:
-            buf = f.map()
-        return digest_buffer(buf, sha256=False).crc32c != entry.crc32c
+            return f.digest(sha256=False).crc32c != entry.crc32c
     except (CorruptCheckpointError, FileNotFoundError):
         return True
 

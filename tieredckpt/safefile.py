@@ -23,8 +23,6 @@ import os
 import stat
 from pathlib import Path
 
-import torch
-
 from .errors import CorruptCheckpointError, MissingShardError, UnreadableFileError
 
 
@@ -44,8 +42,9 @@ class Checked:
             left -= len(chunk)
         return b"".join(chunks)
 
-    def map(self) -> torch.Tensor:
+    def map(self):
         """A private (copy-on-write) mapping of the file as a uint8 tensor."""
+        import torch
         if self.size == 0:
             return torch.empty(0, dtype=torch.uint8)
         where = f"/proc/self/fd/{self.fd}" if os.path.isdir("/proc/self/fd") else str(self.path)
@@ -53,6 +52,11 @@ class Checked:
             return torch.from_file(where, shared=False, size=self.size, dtype=torch.uint8)
         except RuntimeError as exc:
             raise UnreadableFileError(f"{self.path}: cannot be mapped ({exc})") from None
+
+    def digest(self, sha256: bool):
+        """size, crc32c (and sha256) of the file, through a read-only mapping (no torch)."""
+        from .checksum import digest_fd
+        return digest_fd(self.fd, self.size, sha256)
 
     def close(self) -> None:
         if self.fd >= 0:

@@ -25,17 +25,16 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from . import layout, tree
+from . import layout
 from .atomic import building, fsync_file, write_all
-from .checksum import digest_buffer
 from .errors import (CheckpointExistsError, CheckpointNotFoundError, ChecksumMismatchError, DiskFullError,
                      ManifestError, UnsupportedStateError, WorldSizeMismatchError)
 from .manifest import MAX_MANIFEST_BYTES, MAX_USER_DEPTH, ShardEntry, ShardManifest, json_depth
 from .safefile import Checked, open_checked, read_small
-from .shardfile import decode, read_shard, write_flattened, write_shard
 
+# torch is imported by the functions that move tensors (tree, shardfile, staging), not
+# here: reading manifests and checksumming files -- `tieredckpt ls`, `verify` -- need none.
 _ANY_SIZE = 1 << 62
-from .staging import Staged
 
 
 def save_sharded(state_dict_per_rank: Sequence[Any], dir: str | os.PathLike, step: int, *,
@@ -108,18 +107,24 @@ def write_manifest(directory: Path, manifest: ShardManifest) -> None:
 
 def write_rank(path: Path, state: Any):
     """Write one rank's shard from plain state or a store's Staged snapshot."""
+    from .shardfile import write_flattened, write_shard
+    from .staging import Staged
     if isinstance(state, Staged):  # already snapshotted by the store
         return write_flattened(path, state.skeleton, state.tensors, state.names)
     return write_shard(path, state)
 
 
 def state_nbytes(state: Any) -> int:
+    from . import tree
+    from .staging import Staged
     tensors = state.tensors if isinstance(state, Staged) else tree.flatten(state)[1]
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def state_numel(state: Any) -> int:
     """How many tensor elements a rank's state (or Staged snapshot) holds."""
+    from . import tree
+    from .staging import Staged
     tensors = state.tensors if isinstance(state, Staged) else tree.flatten(state)[1]
     return sum(t.numel() for t in tensors)
 
@@ -173,6 +178,7 @@ def open_shard(dir: str | os.PathLike, entry: ShardEntry) -> Checked:
 
 def load_rank(dir: str | os.PathLike, rank: int, expected_world_size: int, verify: str = "crc") -> Any:
     """One rank's state (on a node that holds only its own ranks' shards), verified."""
+    from .shardfile import read_shard
     manifest = read_manifest(dir)
     if manifest.world_size != expected_world_size:
         raise WorldSizeMismatchError(
@@ -198,6 +204,7 @@ def load_sharded(dir: str | os.PathLike, expected_world_size: int, verify: str =
 
 def load_sharded_files(dir: str | os.PathLike, manifest: ShardManifest, verify: str = "crc") -> list[Any]:
     """Every rank's state from the shard files in ``dir``, checked against ``manifest``."""
+    from .shardfile import read_shard
     paths = shard_paths(dir, manifest)  # cheap checks on every shard before reading any
     return [read_shard(path, size=e.size, crc32c=e.crc32c, sha256=e.sha256, verify=verify)
             for path, e in zip(paths, manifest.shards)]
@@ -253,11 +260,13 @@ def verify_checkpoint_files(dir: str | os.PathLike, manifest: ShardManifest, ful
     entries = manifest.shards if entries is None else entries
     for entry in entries:
         with open_shard(dir, entry) as f:
-            buf = f.map()
-        got = digest_buffer(buf, sha256=full)
-        if got.crc32c != entry.crc32c:
-            raise ChecksumMismatchError(f"{f.path}: crc32c {got.crc32c} does not match the manifest's {entry.crc32c} (corrupt)")
-        if full and got.sha256 != entry.sha256:
-            raise ChecksumMismatchError(f"{f.path}: sha256 {got.sha256} does not match the manifest's {entry.sha256} (corrupt)")
-        if full:
-            decode(buf, str(f.path))  # parses the header and every tensor entry, as a load does
+            got = f.digest(sha256=full)
+            if got.crc32c != entry.crc32c:
+                raise ChecksumMismatchError(f"{f.path}: crc32c {got.crc32c} does not match the manifest's "
+                                            f"{entry.crc32c} (corrupt)")
+            if full and got.sha256 != entry.sha256:
+                raise ChecksumMismatchError(f"{f.path}: sha256 {got.sha256} does not match the manifest's "
+                                            f"{entry.sha256} (corrupt)")
+            if full:
+                from .shardfile import decode
+                decode(f.map(), str(f.path))  # parses the header and every tensor entry, as a load does

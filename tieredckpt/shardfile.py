@@ -31,11 +31,11 @@ from .checksum import CHUNK, Digest, StreamDigest, digest_buffer
 from .errors import ChecksumMismatchError, CorruptCheckpointError, UnsupportedStateError
 from .memview import byte_view
 from .safefile import open_checked
+from .shardheader import header_length, parse_header
 
 FORMAT_KEY = "tieredckpt"
 FORMAT_VERSION = 1
 _ALIGN = 64
-_MAX_HEADER = 256 << 20
 
 _DTYPE_NAMES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -152,22 +152,16 @@ def read_verified(path, *, size=None, crc32c=None, sha256=None, verify="crc") ->
     return buf
 
 
-def read_header(path: str | os.PathLike) -> dict:
-    """The parsed, validated header of a shard file (tensor index and metadata), read safely."""
-    path = Path(path)
-    with open_checked(path.parent, path.name, 1 << 62, "shard") as f:
-        n = _header_length(os.pread(f.fd, 8, 0), f.size, str(path))
-        raw = os.pread(f.fd, n, 8)
-    return _parse_header(raw, f.size - 8 - n, str(path))
-
-
 def decode(buf: torch.Tensor, source: str) -> Any:
     """Turn a verified file buffer into state. ``source`` names the file in errors."""
     size = buf.numel()
-    n = _header_length(bytes(byte_view(buf[:8])) if size >= 8 else b"", size, source)
-    header = _parse_header(bytes(byte_view(buf[8:8 + n])), size - 8 - n, source)
+    n = header_length(bytes(byte_view(buf[:8])) if size >= 8 else b"", size, source)
+    header = parse_header(bytes(byte_view(buf[8:8 + n])), size - 8 - n, source)
     data = buf[8 + n:]
     meta = header.pop("__metadata__", {})
+    unknown = sorted({entry["dtype"] for entry in header.values()} - set(_DTYPES))
+    if unknown:
+        raise CorruptCheckpointError(f"{source}: dtypes {unknown} are not supported by this torch {torch.__version__}")
     by_name = {name: _view(data, entry) for name, entry in header.items()}
     if FORMAT_KEY not in meta:
         return by_name  # a plain safetensors file: a flat {name: tensor} dict
@@ -182,64 +176,6 @@ def decode(buf: torch.Tensor, source: str) -> Any:
     if not isinstance(names, list) or not all(isinstance(x, str) and x in by_name for x in names):
         raise CorruptCheckpointError(f"{source}: metadata names tensors that the header does not hold")
     return tree.unflatten(skeleton, [by_name[x] for x in names], source)
-
-
-def _header_length(first8: bytes, size: int, source: str) -> int:
-    if len(first8) < 8:
-        raise CorruptCheckpointError(f"{source}: {size} bytes is too short to be a shard file")
-    n = int.from_bytes(first8, "little")
-    if n < 2 or n > size - 8 or n > _MAX_HEADER:
-        raise CorruptCheckpointError(f"{source}: header length {n} is impossible for a {size}-byte file")
-    return n
-
-
-def _parse_header(raw: bytes, data_len: int, source: str) -> dict:
-    try:
-        header = json.loads(raw)
-    except (ValueError, RecursionError) as exc:
-        raise CorruptCheckpointError(f"{source}: header is not valid JSON ({exc})") from None
-    if not isinstance(header, dict):
-        raise CorruptCheckpointError(f"{source}: header is not a JSON object")
-    meta = header.get("__metadata__", {})
-    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
-        raise CorruptCheckpointError(f"{source}: __metadata__ must map names to strings")
-    spans = []
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        spans.append(_check_entry(name, entry, data_len, source))
-    spans.sort()
-    for (s0, e0, n0), (s1, _, n1) in zip(spans, spans[1:]):
-        if s1 < e0:
-            raise CorruptCheckpointError(f"{source}: tensors {n0!r} and {n1!r} overlap")
-    return header
-
-
-def _check_entry(name, entry, data_len, source):
-    def bad(why):
-        return CorruptCheckpointError(f"{source}: tensor {name!r}: {why}")
-    if not isinstance(entry, dict):
-        raise bad("index entry is not an object")
-    dtype = _DTYPES.get(entry.get("dtype"))
-    if dtype is None:
-        raise bad(f"unknown dtype {entry.get('dtype')!r}")
-    shape, offsets = entry.get("shape"), entry.get("data_offsets")
-    if not isinstance(shape, list) or not all(type(d) is int and 0 <= d < 2**62 for d in shape):
-        raise bad(f"invalid shape {shape!r}")
-    if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
-        raise bad(f"invalid data_offsets {offsets!r}")
-    start, end = offsets
-    numel, extent = 1, 1
-    for d in shape:
-        numel *= d
-        extent *= max(d, 1)
-    if extent >= 2**62:  # torch computes strides from the nonzero dims: refuse before it overflows
-        raise bad(f"shape {shape} is too large for any tensor")
-    if not 0 <= start <= end <= data_len:
-        raise bad(f"data_offsets {offsets} fall outside the {data_len}-byte data section")
-    if end - start != numel * torch.empty((), dtype=dtype).element_size():
-        raise bad(f"{end - start} bytes cannot hold shape {shape} of {entry['dtype']}")
-    return (start, end, name)
 
 
 def _view(data: torch.Tensor, entry: dict) -> torch.Tensor:

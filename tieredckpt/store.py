@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from . import layout
-from .codec import CODECS
+from .layout import CODECS
 from .errors import (BackgroundSaveError, CheckpointExistsError, DistributedCommitError, RemoteError,
                      TieredCkptError, WriterConflictError)
 from .lease import WriterLease

@@ -11,7 +11,7 @@ import json
 import re
 from dataclasses import asdict, dataclass
 
-from .codec import CODECS
+from .layout import CODECS
 from .errors import ManifestError
 from .manifest import ShardManifest, check_relative_path
 
