@@ -33,9 +33,9 @@ def test_ls_lists_steps_sizes_and_verification(run):
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert lines[0].split() == ["STEP", "AGE", "SIZE", "FILES", "WHERE", "STATUS"]
-    assert [line.split()[0] for line in lines[1:]] == ["100", "200", "300"]
+    assert [line.split()[0] for line in lines[1:]] == ["300", "200", "100"]  # newest first
     assert all(" local " in line for line in lines[1:])
-    assert "ok (crc32c)" in lines[1] and "<- latest" in lines[3]
+    assert "ok (crc32c)" in lines[3] and "<- latest" in lines[1]
     flip_byte(run / "step_000200" / "rank0.bin", 200)
     out = cli("ls", run)
     assert out.returncode == 1

@@ -62,6 +62,7 @@ def _parser() -> argparse.ArgumentParser:
     ls = sub.add_parser("ls", help="list a run's checkpoints, where each lives, and how far uploads lag")
     ls.add_argument("run_dir")
     ls.add_argument("--no-verify", action="store_true", help="skip the crc32c check of every shard")
+    ls.add_argument("--limit", type=int, default=50, help="show the newest N steps (default 50; 0: all)")
     _remote_args(ls, "the run's remote (default: the one its store last used)")
     ls.set_defaults(func=cmd_ls)
 
@@ -169,74 +170,105 @@ def _status(tier: LocalTier) -> dict:
 
 
 def cmd_ls(args) -> int:
+    """Newest first, a row printed as soon as it is known: the remote is listed once (its step
+    directories, with a delimiter) and each shown step's upload manifest read as it is printed."""
     tier = LocalTier(args.run_dir, create=False)
     remote, recorded = _run_remote(tier, args)
-    upload_status = recorded.get("steps", {})
-    local_steps = tier.steps()
-    problems = 0
-    remote_steps: list[int] = []
-    if remote is not None:
-        try:
-            remote_steps = remote.steps()
-        except TieredCkptError as exc:
-            print(f"remote {remote.display_url}: cannot list it: {exc}", file=sys.stderr)
-            problems += 1
-    steps = sorted(set(local_steps) | set(remote_steps))
+    local_steps = set(tier.steps())
+    remote_dirs, problems = _remote_dirs(remote)
+    steps = sorted(local_steps | set(remote_dirs), reverse=True)
     if not steps:
         print(f"{tier.root}: no committed checkpoints" + (f" (nor in {remote.display_url})" if remote else ""))
         return problems and 1
+    shown = steps[:args.limit] if args.limit > 0 else steps
     pointer = tier.latest_pointer()
-    print(f"{'STEP':>10}  {'AGE':>9}  {'SIZE':>10}  {'FILES':>5}  {'WHERE':<12}  STATUS")
-    for step in steps:
-        where = "+".join(name for name, has in (("local", step in local_steps), ("remote", step in remote_steps)) if has)
-        try:
-            if step in local_steps:
-                status = "unchecked" if args.no_verify else "ok (crc32c)"
-                manifest, here = (tier.manifest(step), None) if args.no_verify else verify_present(tier.step_path(step))
-                if here is not None and len(here) < manifest.world_size:
-                    status += f"; ranks {_ranks(here)} of {manifest.world_size} on this node"
-            else:
-                manifest = remote.upload_manifest(step).shard_manifest
-                status = "remote only"
-            age, size, files = _age(manifest.created_unix), _size(manifest.total_size), len(manifest.shards)
-        except TieredCkptError as exc:
-            problems += 1
-            status, age, size, files = f"BAD: {exc}", "?", "?", "?"
-        if remote is not None and step in local_steps and step not in remote_steps:
-            entry = upload_status.get(str(step))
-            entry = entry if isinstance(entry, dict) else {"state": "pending"}
-            state = entry.get("state", "pending")
-            status += f"; upload {state}" + (f": {entry['error']}" if entry.get("error") else "")
-            problems += state == "failed"
-        mark = " <- latest" if step == pointer else ""
-        print(f"{step:>10}  {age:>9}  {size:>10}  {files:>5}  {where:<12}  {status}{mark}")
+    print(f"{'STEP':>10}  {'AGE':>9}  {'SIZE':>10}  {'FILES':>5}  {'WHERE':<12}  STATUS", flush=True)
+    for step in shown:
+        row, bad = _ls_row(tier, remote, step, step in local_steps, step in remote_dirs, recorded, args)
+        problems += bad
+        print(row + (" <- latest" if step == pointer else ""), flush=True)
+    if len(shown) < len(steps):
+        print(f"... and {len(steps) - len(shown)} older step(s) (--limit 0 lists all)")
     if remote is not None:
-        behind = [s for s in local_steps if s not in remote_steps and s > max(remote_steps, default=-1)]
-        newest_remote = max(remote_steps, default=None)
-        lag = (f"{len(behind)} checkpoint(s) not uploaded yet; the remote's newest is step {newest_remote}, "
-               f"{max(local_steps) - (newest_remote or 0)} steps behind") if behind else "the remote is up to date"
-        print(f"remote {remote.display_url}: {lag}")
-        error = recorded.get("last_error")
-        if isinstance(error, dict) and error.get("message") and behind:
-            when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(error.get("unix", 0)))
-            kind = "retrying" if error.get("transient") else "FAILING (retried slowly; fix it)"
-            print(f"last upload error at {when} ({kind}): {error['message']}")
+        problems += _ls_lag(remote, local_steps, recorded)
     stale = [e.name for e in tier.root.iterdir() if layout.scratch_owner_pid(e.name) is not None]
     if stale:
         print(f"({len(stale)} leftover temp entries from an interrupted save; removed at the next save)")
     return 1 if problems else 0
 
 
+def _remote_dirs(remote) -> tuple[list[int], int]:
+    if remote is None:
+        return [], 0
+    try:
+        return remote.step_dirs(), 0
+    except TieredCkptError as exc:
+        print(f"remote {remote.display_url}: cannot list it: {exc}", file=sys.stderr)
+        return [], 1
+
+
+def _ls_row(tier, remote, step, local: bool, on_remote: bool, recorded: dict, args) -> tuple[str, int]:
+    """One row of `ls` and whether it shows a problem."""
+    from .errors import CheckpointNotFoundError
+    bad, committed, manifest, status = 0, False, None, ""
+    if on_remote:
+        try:
+            manifest = remote.upload_manifest(step).shard_manifest
+            committed = True
+        except CheckpointNotFoundError:
+            status = "half-uploaded (no upload.json: invisible to readers)"
+        except TieredCkptError as exc:
+            bad, status = 1, f"BAD on the remote: {exc}"
+    try:
+        if local:
+            status = "unchecked" if args.no_verify else "ok (crc32c)"
+            manifest, here = (tier.manifest(step), None) if args.no_verify else verify_present(tier.step_path(step))
+            if here is not None and len(here) < manifest.world_size:
+                status += f"; ranks {_ranks(here)} of {manifest.world_size} on this node"
+        elif committed:
+            status = "remote only"
+    except TieredCkptError as exc:
+        bad, status, manifest = 1, f"BAD: {exc}", None
+    if remote is not None and local and not committed:
+        entry = recorded.get("steps", {}).get(str(step))
+        entry = entry if isinstance(entry, dict) else {"state": "pending"}
+        state = entry.get("state", "pending")
+        status += f"; upload {state}" + (f": {entry['error']}" if entry.get("error") else "")
+        bad += state == "failed"
+    where = "+".join(name for name, has in (("local", local), ("remote", committed)) if has) or "remote"
+    age, size, files = ((_age(manifest.created_unix), _size(manifest.total_size), len(manifest.shards))
+                        if manifest is not None else ("?", "?", "?"))
+    return f"{step:>10}  {age:>9}  {size:>10}  {files:>5}  {where:<12}  {status}", bad
+
+
+def _ls_lag(remote, local_steps: set[int], recorded: dict) -> int:
+    """The summary line: how far the remote lags, and the uploader's last error."""
+    try:
+        newest_remote = remote.newest_step()
+    except TieredCkptError as exc:
+        print(f"remote {remote.display_url}: cannot read its newest step: {exc}")
+        return 1
+    behind = [s for s in local_steps if s > (newest_remote if newest_remote is not None else -1)]
+    lag = (f"{len(behind)} checkpoint(s) not uploaded yet; the remote's newest is step {newest_remote}, "
+           f"{max(local_steps) - (newest_remote or 0)} steps behind") if behind else "the remote is up to date"
+    print(f"remote {remote.display_url}: {lag}")
+    error = recorded.get("last_error")
+    if isinstance(error, dict) and error.get("message") and behind:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(error.get("unix", 0)))
+        kind = "retrying" if error.get("transient") else "FAILING (retried slowly; fix it)"
+        print(f"last upload error at {when} ({kind}): {error['message']}")
+    return 0
+
+
 def cmd_restore(args) -> int:
     remote = _remote(args.remote_url, args)
-    steps = remote.steps()
-    if not steps:
+    step = args.step if args.step is not None else remote.newest_step()
+    if step is None:
         print(f"tieredckpt: error: {remote.display_url}: no uploaded checkpoints", file=sys.stderr)
         return 1
-    step = args.step if args.step is not None else steps[-1]
-    if step not in steps:
+    if not remote.is_committed(step):
         print(f"tieredckpt: error: {remote.display_url}: no uploaded checkpoint for step {step} "
-              f"(have: {steps[-5:]})", file=sys.stderr)
+              f"(the newest is {remote.newest_step()})", file=sys.stderr)
         return 1
     tier = LocalTier(args.to)
     lock = RunLock(tier.root)

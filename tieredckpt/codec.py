@@ -82,9 +82,14 @@ def decode_into(stored, codec: str, raw_size: int, sink: Callable[[memoryview], 
         raise CorruptCheckpointError(f"{source}: decodes to {produced} bytes, expected {raw_size}")
 
 
+MAX_LEVEL = 19  # the highest level whose window (8 MiB) the decoder accepts
+_MAX_WINDOW = 1 << 23
+
+
 def _unzstd(data, limit: int, emit: Callable) -> None:
-    """Decompress ``data`` chunk by chunk, at most ``limit`` bytes (the frame's own size claim is ignored)."""
-    reader = zstandard.ZstdDecompressor().stream_reader(data, read_across_frames=False)
+    """Decompress ``data`` chunk by chunk, at most ``limit`` bytes (the frame's own size claim is
+    ignored), refusing frames that ask for a window beyond what level MAX_LEVEL uses."""
+    reader = zstandard.ZstdDecompressor(max_window_size=_MAX_WINDOW).stream_reader(data, read_across_frames=False)
     total = 0
     while total < limit:
         chunk = reader.read(min(_OUT_CHUNK, limit - total))

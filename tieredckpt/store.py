@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from . import layout
+from .codec import MAX_LEVEL
 from .layout import CODECS
 from .errors import (BackgroundSaveError, CheckpointExistsError, DistributedCommitError, RemoteError,
                      TieredCkptError, WriterConflictError)
@@ -134,6 +135,8 @@ class CheckpointStore(AbstractContextManager):
         codec = compression or "raw"
         if codec not in CODECS:
             raise ValueError(f"compression must be one of {CODECS[1:]} or None, got {compression!r}")
+        if type(compression_level) is not int or not 1 <= compression_level <= MAX_LEVEL:
+            raise ValueError(f"compression_level must be an int in [1, {MAX_LEVEL}], got {compression_level!r}")
         if type(keep_local) is not int or keep_local < 1:
             raise ValueError(f"keep_local must be an int >= 1, got {keep_local!r}")
         if type(every) is not int or every < 0:
