@@ -353,3 +353,21 @@ def test_a_full_disk_fails_the_save_clearly_and_keeps_every_committed_step(tiny_
     with CheckpointStore(run, keep_local=1) as store:  # a smaller keep_local makes room again
         store.save(4, mb(4)).wait()
     assert LocalTier(run).steps() == [4]
+
+
+def test_a_run_dir_on_a_read_only_mount_restores_and_skips_the_resume_mark(tiny_disk):
+    run = tiny_disk / "run"
+    with CheckpointStore(run) as store:
+        store.log_loss(1, 0.5)
+        store.save(1, state(1)).wait()
+    remounted = subprocess.run(["mount", "-o", "remount,ro", str(tiny_disk)], capture_output=True)
+    assert remounted.returncode == 0, remounted.stderr
+    before = snapshot(run)
+    with pytest.warns(RuntimeWarning) as caught:
+        with CheckpointStore(run) as store:  # opened as a reader by itself
+            assert first_difference(state(1), store.restore()) is None
+            assert store.read_only
+    messages = [str(w.message) for w in caught]
+    assert any("cannot write here (Read-only file system)" in m and "opened as a reader" in m for m in messages)
+    assert any("the resume is not recorded" in m for m in messages)
+    assert snapshot(run) == before
