@@ -111,8 +111,9 @@ def main() -> int:
             store.log_loss(step, loss)
             if step % args.every == 0:
                 write_sample(store, model, chars, step)
-            if store.requests.save_requested() and step % args.every:
-                print(f"\n{store.requests.received[-1]}: saving step {step}", flush=True)
+            if store.requests.save_requested():  # a signal asked: say which step answers it
+                cadence = " (a cadence step too)" if step % args.every == 0 else ""
+                print(f"\n{store.requests.received[-1]}: saving step {step}{cadence}", flush=True)
             if step == args.steps:
                 store.requests.request_save()  # always end on a checkpoint
             stop = store.step_end(step, lambda: state(step))

@@ -244,7 +244,7 @@ class SlowFS(FlakyFS):
 
         def slow(path, *args, **kwargs):
             if ".p0" in path:
-                self.gate.wait(10)
+                self.gate.wait(60)
             return attr(path, *args, **kwargs)
         return slow
 
@@ -255,7 +255,6 @@ def test_stopping_or_failing_leaves_pending_uploads_to_the_next_start(tmp_path, 
     import time
     gate = threading.Event()
     s = store(tmp_path / "run", remote, remote_fs=SlowFS(RemoteTier(remote.url, remote.options).fs, gate))
-    start = time.monotonic()
     if how == "sigterm":
         s.requests.request_stop()  # what SIGTERM does
         assert s.step_end(7, {"step": 7}) is True  # committed locally before it returns
@@ -265,7 +264,7 @@ def test_stopping_or_failing_leaves_pending_uploads_to_the_next_start(tmp_path, 
             with s:
                 s.save(7, {"step": 7}).wait()
                 raise RuntimeError("training blew up")
-    assert time.monotonic() - start < 8  # did not wait for the slow upload
+    # close() returned while the part upload was still held at the gate: it did not wait for it
     assert s.local.steps() == [7] and 7 not in RemoteTier(remote.url, remote.options).steps()
     gate.set()
     with store(tmp_path / "run", remote) as again:  # the next start resumes it

@@ -75,6 +75,8 @@ class GatedFS:
         self._inner = inner
         self.gate = threading.Event()
         self.gate.set()
+        self.in_flight = 0  # calls past the gate, not returned yet
+        self._lock = threading.Lock()
 
     def __getattr__(self, name):
         attr = getattr(self._inner, name)
@@ -83,8 +85,21 @@ class GatedFS:
 
         def gated(*args, **kwargs):
             self.gate.wait(60)
-            return attr(*args, **kwargs)
+            with self._lock:
+                self.in_flight += 1
+            try:
+                return attr(*args, **kwargs)
+            finally:
+                with self._lock:
+                    self.in_flight -= 1
         return gated
+
+
+def until(predicate, what: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
 
 
 def test_server_stopped_mid_upload_nothing_visible_nothing_evicted_then_it_completes(tmp_path):
@@ -100,18 +115,14 @@ def test_server_stopped_mid_upload_nothing_visible_nothing_evicted_then_it_compl
         s.wait(uploads=True)
         big = {"w": torch.randn(6_000_000), "step": 2}  # 24 MB: ~90 parts
         s.save(2, big).wait()
-        deadline = time.monotonic() + 60
-        while s.uploader.status().get(2, {}).get("state") != "uploading":
-            assert time.monotonic() < deadline
-            time.sleep(0.005)
-        time.sleep(0.2)  # some parts are on the server
+        direct = RemoteTier(url, server.options())
+        until(lambda: len(direct.t.list_files("step_000002")) >= 3, "some parts of step 2 on the server")
         server.kill()  # the server dies mid-upload
         s.save(3, state(3)).wait()  # training goes on locally
-        time.sleep(1.0)
-        assert s.uploader.status()[2]["state"] in ("retrying", "uploading")
+        until(lambda: s.uploader.status()[2]["state"] == "retrying", "the uploader to notice")
         assert s.local.steps() == [2, 3]  # keep_local=1: 1 (uploaded) went; 2 and 3 (not uploaded) stay
-        fs.gate.clear()
-        time.sleep(1.0)  # calls already past the gate (in s3fs's own retry loop) fail against the dead port
+        fs.gate.clear()  # hold new calls; calls already past the gate fail against the dead port
+        until(lambda: fs.in_flight == 0, "the calls past the gate to fail against the dead port")
         server.start()  # back, on the same port
         server.make_bucket("outage")
         assert RemoteTier(url, server.options()).steps() == []  # nothing half-written is visible

@@ -37,6 +37,7 @@ from .errors import RemoteError, WriterConflictError
 from .transport import Transport
 
 log = logging.getLogger("tieredckpt")
+_LIVE: set[str] = set()  # tokens of the leases this process holds now (a closed store's is gone)
 LEASE_SECONDS = 120.0
 HEARTBEAT_SECONDS = 20.0
 _MAX_RECORD = 64 << 10
@@ -44,8 +45,10 @@ _MAX_RECORD = 64 << 10
 
 class WriterLease:
     def __init__(self, transport: Transport, *, lease_seconds: float = LEASE_SECONDS,
-                 heartbeat: float = HEARTBEAT_SECONDS, settle: float = 0.3) -> None:
+                 heartbeat: float = HEARTBEAT_SECONDS, settle: float | None = None) -> None:
         self.t = transport
+        if settle is None:  # a round trip or two to an object store; a local directory needs little
+            settle = 0.05 if transport.protocol in ("file", "local", "memory") else 0.3
         self.lease_seconds, self.heartbeat, self.settle = lease_seconds, heartbeat, settle
         self.token = secrets.token_hex(8)
         self.since = time.time()
@@ -62,7 +65,7 @@ class WriterLease:
         """Become the owner, or raise WriterConflictError (or a transient RemoteError)."""
         current = self.read()
         if current is not None and current.get("token") != self.token and not takeover:
-            alive, why = holder_alive(current)
+            alive, why = holder_alive(current, mine=_LIVE)
             if alive:
                 raise WriterConflictError(
                     f"{self.t.display_url}: another writer owns this remote ({describe(current)}; {why}). "
@@ -77,6 +80,7 @@ class WriterLease:
         if current is not None and current.get("token") != self.token:
             log.warning("%s: took over the remote from %s", self.t.display_url, describe(current))
         self.owned, self.lost = True, None
+        _LIVE.add(self.token)
         self.previous = current if current is not None and current.get("token") != self.token else None
         self._start_heartbeat()
 
@@ -87,6 +91,7 @@ class WriterLease:
         current = self.read()
         if current is not None and current.get("token") != self.token:
             self.owned = False
+            _LIVE.discard(self.token)
             self.lost = f"another writer took this remote over ({describe(current)})"
             log.error("%s: %s; this store stops uploading and deleting there", self.t.display_url, self.lost)
             return False
@@ -112,6 +117,7 @@ class WriterLease:
 
     def release(self) -> None:
         self._stop.set()
+        _LIVE.discard(self.token)
         if self.owned:
             self.owned = False
             try:
@@ -157,10 +163,15 @@ class WriterLease:
                 log.debug("writer heartbeat failed: %s", exc)
 
 
-def holder_alive(record: dict) -> tuple[bool, str]:
-    """(alive?, why) for a lease record another writer left."""
+def holder_alive(record: dict, mine: set[str] = frozenset()) -> tuple[bool, str]:
+    """(alive?, why) for a lease record another writer left. ``mine``: the tokens this
+    process holds now; a record of this very process with another token is a store of
+    ours that was closed without deleting it (the remote did not answer then)."""
     age = time.time() - float(record.get("heartbeat") or 0)
     lease = float(record.get("lease_seconds") or LEASE_SECONDS)
+    if record.get("host") == socket.gethostname() and record.get("pid") == os.getpid() \
+            and record.get("pid_start") == process_start(os.getpid()) and record.get("token") not in mine:
+        return False, "a closed store of this process"
     if record.get("host") == socket.gethostname() and isinstance(record.get("pid"), int):
         start = process_start(record["pid"])
         if start is None or (record.get("pid_start") is not None and start != record.get("pid_start")):

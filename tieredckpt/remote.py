@@ -35,7 +35,8 @@ from typing import Callable
 from . import layout
 from .atomic import atomic_write_bytes
 from .checksum import crc32c_update, crc_hex, map_file
-from .errors import CheckpointNotFoundError, CorruptCheckpointError, ManifestError, RemoteError, RemoteNotFoundError
+from .errors import (CheckpointNotFoundError, CorruptCheckpointError, ManifestError, MissingShardError, RemoteError,
+                     RemoteNotFoundError)
 from .manifest import ShardManifest
 from .sharded import shard_path
 from .transport import REQUEST_TIMEOUT, Transport
@@ -246,7 +247,11 @@ class RemoteTier:
     def _fetch_part(self, upload: UploadManifest, fd: int, part: PartEntry, progress) -> None:
         from .codec import decode_into  # torch: only when something is fetched
         rel = f"{layout.step_dir_name(upload.step)}/{part.path}"
-        stored = self.t.get(rel, part.stored_size)  # never more than the manifest declares
+        try:
+            stored = self.t.get(rel, part.stored_size)  # never more than the manifest declares
+        except RemoteNotFoundError:
+            raise MissingShardError(f"{self.where(rel)}: part missing on the remote (the step was deleted "
+                                    "meanwhile, or the remote is damaged)") from None
         got = crc_hex(crc32c_update(stored))
         if len(stored) != part.stored_size or got != part.stored_crc32c:
             raise CorruptCheckpointError(

@@ -108,7 +108,7 @@ class Restorer:
             yield newest
             rest = sorted((set(local_steps) | set(remote_steps.dirs())) - {newest}, reverse=True)
         except RemoteError as exc:
-            if not exc.transient or not local_steps:
+            if not local_steps:
                 raise RemoteError(f"{exc}; cannot tell which checkpoints the remote holds, so nothing "
                                   "is restored (starting from scratch could lose a run)", exc.transient) from None
             _warn(f"{exc}; restoring from the local checkpoints only")

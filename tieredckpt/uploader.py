@@ -88,6 +88,8 @@ class Uploader:
         self._failures: dict[int, tuple[str, float]] = {}  # permanent failures not raised yet: (error, when)
         self._status: dict[int, dict] = {}
         self._known = False  # the remote's state was read; until then rotation keeps everything
+        self._believed: set[int] = set()  # uploaded, says the last status file (until the remote is read)
+        self._scanned = False  # every remote step learnt, for retention
         self._confirmed: tuple[int, float] | None = None  # (newest uploaded step, when seen on the remote)
         self._last_error: dict | None = None
         self._failed_rounds = 0
@@ -97,8 +99,26 @@ class Uploader:
         self._thread = threading.Thread(target=self._run, name="tieredckpt-uploader", daemon=True)
 
     def start(self) -> "Uploader":
+        self._recall()
         self._thread.start()
         return self
+
+    def _recall(self) -> None:
+        """What the last run's status file says of the local steps: a hint that lets rotation
+        go on while the remote cannot be asked (an outage across a restart). Superseded steps
+        are evictable; uploaded ones too, but the newest of them stays until the remote is read."""
+        try:
+            doc = json.loads((Path(self.local.root) / layout.STATUS_FILE).read_bytes())
+            steps = doc.get("steps", {}) if isinstance(doc, dict) else {}
+            recorded = {int(k): v for k, v in steps.items() if isinstance(v, dict)}
+        except (OSError, ValueError, AttributeError):
+            return
+        local = set(self.local.steps())
+        with self._cond:
+            for step, entry in recorded.items():
+                if step in local and entry.get("state") in ("superseded", "uploaded"):
+                    self._status[step] = {"state": entry["state"], "unix": entry.get("unix", 0)}
+                    (self.superseded if entry["state"] == "superseded" else self._believed).add(step)
 
     # ---- what the store asks --------------------------------------------------------------
 
@@ -122,8 +142,9 @@ class Uploader:
         The newest uploaded step stays until the remote was seen holding it within the
         last two audit intervals (so a wiped remote never costs the last good copy)."""
         with self._cond:
-            if not self._known:  # the remote not asked yet: only what this process superseded
-                return self.superseded - self._pending - {self._current}
+            if not self._known:  # the remote not asked yet: what was superseded, and what the last
+                believed = self._believed - {max(self._believed, default=None)}  # run saw uploaded
+                return (self.superseded | believed) - self._pending - {self._current}
             ok = (self.uploaded | self.superseded | self.retired) - self._pending - {self._current}
             if self.uploaded:
                 newest = max(self.uploaded)
@@ -159,14 +180,19 @@ class Uploader:
                 if remaining is not None and remaining <= 0:
                     return False
                 self._cond.wait(0.5 if remaining is None else min(0.5, remaining))
-        self.raise_error()
+        with self._cond:  # what still fails for good now; older failures wait for close()
+            unresolved = self._pending | {self._current} | ({-1} if unknown and not self._known else set())
+        self.raise_error(only=unresolved)
         with self._cond:
             return not self._pending and self._current is None
 
-    def raise_error(self) -> None:
-        """Raise every permanent failure not raised yet, as one UploadError naming each step."""
+    def raise_error(self, only: set | None = None) -> None:
+        """Raise every permanent failure not raised yet (of the steps in ``only``), as one
+        UploadError naming each step."""
         with self._cond:
-            failures, self._failures = self._failures, {}
+            failures = {s: v for s, v in self._failures.items() if only is None or s in only}
+            for step in failures:
+                del self._failures[step]
         if failures:
             lines = "; ".join(f"step {s}: {e}" for s, (e, _) in sorted(failures.items()))
             raise UploadError(f"{len(failures)} upload(s) failed: {lines}", {s: e for s, (e, _) in failures.items()})
@@ -236,6 +262,7 @@ class Uploader:
             for step in self._pending:
                 self._set(step, "pending")
             self._failed_rounds = 0
+            self._failures.pop(-1, None)  # a failed start is resolved
             self._known = True
             self._cond.notify_all()
         self._write_status()
@@ -362,8 +389,7 @@ class Uploader:
         self.remote.write_latest(max(self.uploaded | {step}))
 
     def _uploaded(self, step: int) -> None:
-        with self._cond:
-            self._current = None
+        with self._cond:  # _current stays set until retention has had its turn: drain() waits for it
             self.uploaded.add(step)
             self._done.pop(step, None)
             self._confirmed = (max(self.uploaded), time.monotonic())
@@ -373,10 +399,12 @@ class Uploader:
             self._failed_cycle.clear()
             self._failures.pop(step, None)
             self._set(step, "uploaded")
-            self._cond.notify_all()
         if self.leader:
             self._apply_retention()
             self._delete_pending()
+        with self._cond:
+            self._current = None
+            self._cond.notify_all()
         self._write_status()
         if self.on_uploaded:
             self.on_uploaded(step)
@@ -450,8 +478,21 @@ class Uploader:
             log.debug("idle remote check failed: %s", exc)
 
     def _apply_retention(self) -> None:
+        """Decide which remote steps the policy drops. The first time in a process, every
+        committed remote step is learnt (one listing, one request per step dir: the only
+        place the uploader's cost grows with the remote, and only with ``keep_remote``)."""
         if self.keep_remote is None:
             return
+        if not self._scanned:
+            try:
+                known = self.uploaded | self.retired
+                found = {s for s in self.remote.step_dirs() if s not in known and self.remote.is_committed(s)}
+            except RemoteError as exc:
+                log.warning("cannot list the remote for its retention policy (%s); retried later", exc)
+                return
+            with self._cond:
+                self.uploaded |= found
+            self._scanned = True
         with self._cond:
             doomed = plan_eviction(self.uploaded, self.keep_remote, protected=[max(self.uploaded)])
             self.uploaded -= set(doomed)
