@@ -24,12 +24,22 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
-from common import (fsync_path, fsync_tree, median, model_adamw_state, remove, state_bytes,  # noqa: E402
-                    table, tensors_of, timer, warm_memory)
+from common import (  # noqa: E402
+    fsync_path,
+    fsync_tree,
+    median,
+    model_adamw_state,
+    remove,
+    state_bytes,
+    table,
+    tensors_of,
+    timer,
+    warm_memory,
+)
 
-from tieredckpt.checksum import CHUNK, file_digest  # noqa: E402
-from tieredckpt.memview import byte_view  # noqa: E402
-from tieredckpt.sharded import load_sharded, save_sharded, verify_checkpoint  # noqa: E402
+from tieredckpt._format.checksum import CHUNK, file_digest  # noqa: E402
+from tieredckpt._format.memview import byte_view  # noqa: E402
+from tieredckpt._tiers.sharded import load_sharded, save_sharded, verify_checkpoint  # noqa: E402
 
 
 def raw_write(state, path):
@@ -112,8 +122,8 @@ def rotated(methods: dict, rep: int) -> list:
 
 
 def make_savers(state, root):
-    from safetensors.torch import save_file
     import torch.distributed.checkpoint as dcp
+    from safetensors.torch import save_file
 
     names = flat_names(state)
     paths = {k: os.path.join(root, k) for k in ("raw", "tieredckpt", "torch.save", "dcp", "safetensors")}

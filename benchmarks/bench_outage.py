@@ -40,7 +40,7 @@ from faultproxy import FaultProxy  # noqa: E402
 from s3server import MotoServer  # noqa: E402
 
 from tieredckpt import CheckpointStore  # noqa: E402
-from tieredckpt.remote import RemoteTier  # noqa: E402
+from tieredckpt._tiers.remote import RemoteTier  # noqa: E402
 
 MODES = ("503", "reset", "drop")
 

@@ -36,8 +36,9 @@ def worker() -> None:
     import torch
     import torch.distributed as dist
     from common import warm_memory
-    from tieredckpt.ranks import RankGroup, commit_rank
-    from tieredckpt.sharded import save_sharded
+
+    from tieredckpt._tiers.ranks import RankGroup, commit_rank
+    from tieredckpt._tiers.sharded import save_sharded
 
     args = json.loads(os.environ["BENCH_ARGS"])
     torch.set_num_threads(1)

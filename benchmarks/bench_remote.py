@@ -38,9 +38,9 @@ sys.path.insert(0, HERE)
 from common import median, table, warm_memory  # noqa: E402
 from s3server import CREDS, MotoServer  # noqa: E402
 
-from tieredckpt.local import LocalTier  # noqa: E402
-from tieredckpt.remote import RemoteTier  # noqa: E402
-from tieredckpt.sharded import save_sharded  # noqa: E402
+from tieredckpt._tiers.local import LocalTier  # noqa: E402
+from tieredckpt._tiers.remote import RemoteTier  # noqa: E402
+from tieredckpt._tiers.sharded import save_sharded  # noqa: E402
 
 
 def trained_state(n_params: int, steps: int = 3) -> dict:

@@ -39,7 +39,7 @@ from remotefill import fill  # noqa: E402
 from s3server import CREDS, MotoServer  # noqa: E402
 
 from tieredckpt import CheckpointStore  # noqa: E402
-from tieredckpt.remote import RemoteTier  # noqa: E402
+from tieredckpt._tiers.remote import RemoteTier  # noqa: E402
 
 CLI = [sys.executable, "-m", "tieredckpt.cli"]
 

@@ -26,7 +26,17 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
-from common import fsync_path, fsync_tree, median, model_adamw_state, remove, state_bytes, table, tensors_of, warm_memory  # noqa: E402
+from common import (  # noqa: E402
+    fsync_path,
+    fsync_tree,
+    median,
+    model_adamw_state,
+    remove,
+    state_bytes,
+    table,
+    tensors_of,
+    warm_memory,
+)
 
 from tieredckpt import CheckpointStore  # noqa: E402
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from tieredckpt import load_sharded, save_sharded, verify_checkpoint
-from tieredckpt.compare import first_difference
+from tieredckpt._format.compare import first_difference
 
 
 def rank_states(world_size: int, numel: int) -> list[dict]:

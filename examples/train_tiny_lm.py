@@ -33,7 +33,7 @@ from torch import nn  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tieredckpt import CheckpointStore, capture_rng, restore_rng  # noqa: E402
-from tieredckpt.progress import Progress  # noqa: E402
+from tieredckpt._loop.progress import Progress  # noqa: E402
 
 CORPUS = Path(__file__).with_name("data") / "corpus.txt"
 

@@ -26,7 +26,7 @@ import torch.distributed as dist  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tieredckpt import CheckpointStore  # noqa: E402
-from tieredckpt.reshard import even_spans  # noqa: E402
+from tieredckpt._tiers.reshard import even_spans  # noqa: E402
 
 BETAS, EPS, LR, WD = (0.9, 0.999), 1e-8, 1e-2, 0.01
 

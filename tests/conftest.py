@@ -55,7 +55,8 @@ def rewrite_manifest(directory: os.PathLike, mutate) -> None:
     """Edit a committed manifest as a hostile tool would: fields changed, its own digest recomputed
     (so that what is tested is the validation of the fields, not the digest)."""
     import json
-    from tieredckpt.manifest import DIGEST_KEY, canonical_digest
+
+    from tieredckpt._format.manifest import DIGEST_KEY, canonical_digest
     path = Path(directory) / "manifest.json"
     raw = json.loads(path.read_text())
     mutate(raw)
@@ -77,7 +78,6 @@ import itertools  # noqa: E402
 import uuid  # noqa: E402
 
 import fsspec  # noqa: E402
-
 from s3server import MotoServer  # noqa: E402
 
 _counter = itertools.count()
@@ -156,7 +156,7 @@ class Proxied:
         self.direct = server.options()  # around the proxy: what the remote really holds
 
     def remote(self):
-        from tieredckpt.remote import RemoteTier
+        from tieredckpt._tiers.remote import RemoteTier
         return RemoteTier(self.url, self.direct)
 
 

@@ -22,8 +22,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from tieredckpt import LocalTier, layout  # noqa: E402
-from tieredckpt.compare import first_difference  # noqa: E402
+from tieredckpt._format import layout  # noqa: E402
+from tieredckpt._format.compare import first_difference  # noqa: E402
+from tieredckpt._tiers.local import LocalTier  # noqa: E402
 
 NUMEL = 1 << 20  # 4 MiB per tensor, 3 tensors per rank, 2 ranks: ~24 MB a checkpoint
 

@@ -85,7 +85,8 @@ def main() -> None:
     p.add_argument("--deny", nargs="*", default=[])
     args = p.parse_args()
     deny(args.deny)
-    from tieredckpt import CheckpointStore, LocalTier, load_sharded
+    from tieredckpt import CheckpointStore, load_sharded
+    from tieredckpt._tiers.local import LocalTier
     run, step, out = args.run_dir, args.step, args.out_dir
     step_dir = LocalTier(run, create=False).step_path(step)
 

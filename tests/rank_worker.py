@@ -20,7 +20,7 @@ import torch.distributed as dist  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from tieredckpt import CheckpointStore  # noqa: E402
-from tieredckpt.compare import first_difference  # noqa: E402
+from tieredckpt._format.compare import first_difference  # noqa: E402
 
 
 def rank_state(step: int, rank: int, numel: int = 1000) -> dict:
@@ -76,7 +76,7 @@ def main() -> None:
             store.save(1, rank_state(1, rank)).wait()
             big = rank_state(2, rank, numel=12_000_000)  # several 16 MiB chunks per shard
             if rank == world - 1:
-                import tieredckpt.shardfile as shardfile
+                import tieredckpt._format.shardfile as shardfile
                 real, calls = shardfile.write_all, []
 
                 def die_midway(fd, data):

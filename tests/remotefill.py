@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import json
 
-from tieredckpt import layout
-from tieredckpt.manifest import DIGEST_KEY, canonical_digest
+from tieredckpt._format import layout
+from tieredckpt._format.manifest import DIGEST_KEY, canonical_digest
 
 
 def upload_json_for(template: bytes, step: int) -> bytes:

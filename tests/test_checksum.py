@@ -6,7 +6,7 @@ import crc32c
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tieredckpt.checksum import crc32c_combine, crc32c_parallel
+from tieredckpt._format.checksum import crc32c_combine, crc32c_parallel
 
 
 @settings(max_examples=200, deadline=None)

@@ -8,10 +8,10 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import flip_byte, trained
-from tieredckpt import LocalTier
-from tieredckpt.flat import model_to_flat, read_flat, write_flat
+
+from tieredckpt._format.flat import model_to_flat, read_flat, write_flat
+from tieredckpt._tiers.local import LocalTier
 
 
 def cli(*args):

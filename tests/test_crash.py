@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tieredckpt import LocalTier
+from tieredckpt._tiers.local import LocalTier
 
 HARNESS = Path(__file__).with_name("crash_writer.py")
 

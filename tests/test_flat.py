@@ -6,12 +6,19 @@ import struct
 
 import pytest
 import torch
-
 from conftest import train_step, trained
+
 from tieredckpt import CheckpointNotFoundError, FlatFormatError, UnsupportedStateError
-from tieredckpt.compare import first_difference
-from tieredckpt.flat import (checkpoint_to_flat, flat_state, flat_to_checkpoint, flat_to_model,
-                             model_to_flat, read_flat, write_flat)
+from tieredckpt._format.compare import first_difference
+from tieredckpt._format.flat import (
+    checkpoint_to_flat,
+    flat_state,
+    flat_to_checkpoint,
+    flat_to_model,
+    model_to_flat,
+    read_flat,
+    write_flat,
+)
 
 
 @pytest.mark.parametrize("n", [0, 1, 7, 1000])
@@ -65,7 +72,7 @@ def test_flat_file_to_checkpoint_and_back_is_byte_identical(tmp_path):
 
 
 def test_flat_state_can_be_saved_by_the_store_then_exported(tmp_path):
-    from tieredckpt import LocalTier
+    from tieredckpt._tiers.local import LocalTier
     model, opt = trained(steps=1)
     LocalTier(tmp_path / "run").save(1, [flat_state(model, opt)])
     checkpoint_to_flat(tmp_path / "run", tmp_path / "out.bin")

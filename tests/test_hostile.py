@@ -23,11 +23,12 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import rewrite_manifest
-from tieredckpt import CheckpointStore, LocalTier
-from tieredckpt.checksum import crc32c_update, crc_hex
-from tieredckpt.compare import first_difference
+
+from tieredckpt import CheckpointStore
+from tieredckpt._format.checksum import crc32c_update, crc_hex
+from tieredckpt._format.compare import first_difference
+from tieredckpt._tiers.local import LocalTier
 
 READER = Path(__file__).with_name("hostile_reader.py")
 STEPS = (100, 200, 300)
@@ -225,7 +226,8 @@ def test_a_regular_file_as_run_dir_and_a_user_dict_too_deep_are_clear_errors(tmp
 
 def test_a_failed_write_is_raised_once(tmp_path, monkeypatch):
     import errno
-    import tieredckpt.shardfile as shardfile
+
+    import tieredckpt._format.shardfile as shardfile
     from tieredckpt import BackgroundSaveError, DiskFullError
     store = CheckpointStore(tmp_path / "run")
     store.save(1, state(1)).wait()
@@ -259,7 +261,7 @@ def test_a_step_dir_without_manifest_does_not_block_its_step_number(tmp_path):
 def test_wall_clock_seconds_is_the_runs_training_time_across_resumes(tmp_path, monkeypatch):
     import types
     clock = [1000.0]  # the store's monotonic clock, under the test's control
-    monkeypatch.setattr("tieredckpt.store.time", types.SimpleNamespace(monotonic=lambda: clock[0]))
+    monkeypatch.setattr("tieredckpt._loop.store.time", types.SimpleNamespace(monotonic=lambda: clock[0]))
     with CheckpointStore(tmp_path / "run") as store:
         clock[0] += 7.0  # seven seconds of training
         store.save(1, state(1)).wait()

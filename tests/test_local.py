@@ -8,8 +8,10 @@ import sys
 
 import pytest
 
-from tieredckpt import CheckpointNotFoundError, KeepEvery, KeepLast, LocalTier, layout
-from tieredckpt.retention import AnyOf, plan_eviction
+from tieredckpt import CheckpointNotFoundError, KeepEvery, KeepLast
+from tieredckpt._format import layout
+from tieredckpt._tiers.local import LocalTier
+from tieredckpt._tiers.retention import AnyOf, plan_eviction
 
 
 def state(step):

@@ -12,7 +12,7 @@ import sys
 sys.modules["numpy"] = None  # any 'import numpy' now fails, as on a machine without it
 import torch, tempfile
 from tieredckpt import CheckpointStore, capture_rng, restore_rng, read_flat, write_flat
-from tieredckpt.compare import first_difference
+from tieredckpt._format.compare import first_difference
 d = tempfile.mkdtemp()
 state = {"w": torch.randn(100), "b": torch.ones(3, dtype=torch.bfloat16), "rng": capture_rng(), "n": 3}
 assert "numpy" not in state["rng"]

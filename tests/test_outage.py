@@ -17,12 +17,11 @@ import time
 
 import pytest
 import torch
-
 from conftest import ROOT
 from s3server import CREDS
-from tieredckpt import (CheckpointStore, KeepEvery, KeepLast, RemoteAccessError, RemoteNotFoundError,
-                        WriterConflictError)
-from tieredckpt.compare import first_difference
+
+from tieredckpt import CheckpointStore, KeepEvery, KeepLast, RemoteAccessError, RemoteNotFoundError, WriterConflictError
+from tieredckpt._format.compare import first_difference
 
 
 def state(step: int, n: int = 200_000) -> dict:

@@ -13,13 +13,14 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import ROOT
 from s3server import free_port
-from tieredckpt import LocalTier, load_sharded
-from tieredckpt.compare import first_difference
-from tieredckpt.remote import RemoteTier
-from tieredckpt.reshard import even_spans
+
+from tieredckpt import load_sharded
+from tieredckpt._format.compare import first_difference
+from tieredckpt._tiers.local import LocalTier
+from tieredckpt._tiers.remote import RemoteTier
+from tieredckpt._tiers.reshard import even_spans
 
 WORKER = Path(__file__).with_name("rank_worker.py")
 ZERO = ROOT / "examples" / "train_zero.py"

@@ -9,11 +9,11 @@ import time
 
 import pytest
 import torch
-
 from conftest import FlakyFS, flip_byte, trained
+
 from tieredckpt import CheckpointStore, CorruptCheckpointError, KeepEvery, KeepLast, RemoteNotFoundError
-from tieredckpt.compare import first_difference
-from tieredckpt.remote import RemoteTier
+from tieredckpt._format.compare import first_difference
+from tieredckpt._tiers.remote import RemoteTier
 from tieredckpt.errors import UploadError
 
 
@@ -204,8 +204,10 @@ def test_credentials_never_appear_in_logs_manifests_status_or_cli(tmp_path, moto
 
 
 def test_codecs_round_trip_every_length_and_refuse_garbage():
-    from hypothesis import given, settings, strategies as st
-    from tieredckpt.codec import decode, encode
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from tieredckpt._format.codec import decode, encode
 
     @settings(max_examples=80, deadline=None)
     @given(data=st.binary(max_size=3000), codec=st.sampled_from(["raw", "zstd", "zstd-planes"]))
@@ -252,7 +254,6 @@ class SlowFS(FlakyFS):
 @pytest.mark.parametrize("how", ["sigterm", "exception"])
 def test_stopping_or_failing_leaves_pending_uploads_to_the_next_start(tmp_path, remote, how):
     import threading
-    import time
     gate = threading.Event()
     s = store(tmp_path / "run", remote, remote_fs=SlowFS(RemoteTier(remote.url, remote.options).fs, gate))
     if how == "sigterm":

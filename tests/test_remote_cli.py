@@ -9,11 +9,12 @@ import sys
 import time
 
 import torch
-
 from s3server import CREDS, MotoServer
-from tieredckpt import CheckpointStore, LocalTier
-from tieredckpt.compare import first_difference
-from tieredckpt.remote import RemoteTier
+
+from tieredckpt import CheckpointStore
+from tieredckpt._format.compare import first_difference
+from tieredckpt._tiers.local import LocalTier
+from tieredckpt._tiers.remote import RemoteTier
 
 
 def cli(*args, endpoint=None):

@@ -9,7 +9,6 @@ killed restore, and the number of requests opening a store costs at 10 and at
 from __future__ import annotations
 
 import json
-import logging
 import os
 import signal
 import subprocess
@@ -20,12 +19,12 @@ from pathlib import Path
 import pytest
 import torch
 import zstandard
-
 from remotefill import fill
+
 from tieredckpt import CheckpointStore, ManifestError
-from tieredckpt.checksum import crc32c_update, crc_hex
-from tieredckpt.compare import first_difference
-from tieredckpt.remote import RemoteTier
+from tieredckpt._format.checksum import crc32c_update, crc_hex
+from tieredckpt._format.compare import first_difference
+from tieredckpt._tiers.remote import RemoteTier
 
 
 def state(step: int, n: int = 50_000) -> dict:
@@ -143,7 +142,7 @@ def test_a_part_claiming_1000x_its_stored_size_is_decoded_in_bounded_memory(tmp_
                       "raw_crc32c": crc_hex(crc32c_update(zeros)), "stored_crc32c": crc_hex(crc32c_update(bomb))})
     upload["files"][0].update(size=4 * raw_size, parts=parts)
     upload["checkpoint"]["shards"][0]["size"] = 4 * raw_size
-    from tieredckpt.manifest import DIGEST_KEY, canonical_digest
+    from tieredckpt._format.manifest import DIGEST_KEY, canonical_digest
     upload["checkpoint"][DIGEST_KEY] = canonical_digest(upload["checkpoint"])
     r.fs.pipe_file(r.path("step_000001", "upload.json"), json.dumps(upload).encode())
     script = tmp_path / "bomb.py"

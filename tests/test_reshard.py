@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tieredckpt import UnsupportedStateError
-from tieredckpt.reshard import Copy, even_spans, plan, reshard
+from tieredckpt._tiers.reshard import Copy, even_spans, plan, reshard
 
 
 def zero_states(total, spans, seed=0):
@@ -77,6 +77,7 @@ def test_what_cannot_be_resharded_is_named():
 def test_cli_reshard_writes_a_new_run_at_the_new_world_size(tmp_path):
     import subprocess
     import sys
+
     from tieredckpt import load_sharded, save_sharded
     total = 777
     spans = even_spans(total, 4)

@@ -11,10 +11,11 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import ROOT
-from tieredckpt import LocalTier, RunLog
-from tieredckpt.compare import first_difference
+
+from tieredckpt import RunLog
+from tieredckpt._format.compare import first_difference
+from tieredckpt._tiers.local import LocalTier
 
 DEMO = ROOT / "examples" / "train_tiny_lm.py"
 STEPS, EVERY = 120, 25

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tieredckpt import CheckpointStore, RunLog
-from tieredckpt.runlog import LOSS, SAMPLES, STATE
+from tieredckpt._loop.runlog import LOSS, SAMPLES, STATE
 
 
 def test_200k_appends_read_back_exactly(run_dir):

@@ -7,15 +7,25 @@ import os
 
 import pytest
 import torch
+from conftest import flip_byte, rewrite_manifest, trained
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import flip_byte, rewrite_manifest, trained
-from tieredckpt import (CheckpointExistsError, CheckpointNotFoundError, ChecksumMismatchError,
-                        CorruptCheckpointError, ManifestError, MissingShardError, ShardCountMismatchError,
-                        ShardManifest, WorldSizeMismatchError, load_sharded, save_sharded,
-                        verify_checkpoint)
-from tieredckpt.compare import first_difference
+from tieredckpt import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    ChecksumMismatchError,
+    CorruptCheckpointError,
+    ManifestError,
+    MissingShardError,
+    ShardCountMismatchError,
+    ShardManifest,
+    WorldSizeMismatchError,
+    load_sharded,
+    save_sharded,
+    verify_checkpoint,
+)
+from tieredckpt._format.compare import first_difference
 
 
 def rank_states(world_size=4, n=1000):

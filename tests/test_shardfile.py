@@ -7,14 +7,14 @@ from collections import OrderedDict
 
 import pytest
 import torch
+from conftest import flip_byte, train_step, trained
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import flip_byte, train_step, trained
 from tieredckpt import CorruptCheckpointError, UnsupportedStateError
-from tieredckpt.compare import first_difference
-from tieredckpt.shardfile import read_shard, write_shard
-from tieredckpt.shardheader import read_header
+from tieredckpt._format.compare import first_difference
+from tieredckpt._format.shardfile import read_shard, write_shard
+from tieredckpt._format.shardheader import read_header
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32,
           torch.int16, torch.int8, torch.uint8, torch.bool]

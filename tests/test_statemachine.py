@@ -25,10 +25,10 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from tieredckpt import (AnyOf, CheckpointNotFoundError, CheckpointStore, CorruptCheckpointError, KeepEvery,
-                        KeepLast, LocalTier)
-from tieredckpt.compare import first_difference
-from tieredckpt.remote import RemoteTier
+from tieredckpt import AnyOf, CheckpointNotFoundError, CheckpointStore, CorruptCheckpointError, KeepEvery, KeepLast
+from tieredckpt._format.compare import first_difference
+from tieredckpt._tiers.local import LocalTier
+from tieredckpt._tiers.remote import RemoteTier
 
 KEEP_LOCAL = 2
 POLICY = AnyOf(KeepLast(2), KeepEvery(5))

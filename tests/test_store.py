@@ -8,12 +8,19 @@ import signal
 
 import pytest
 import torch
-
 from conftest import train_step, trained
-from tieredckpt import (BackgroundSaveError, CheckpointExistsError, CheckpointNotFoundError,
-                        CheckpointStore, IncompatibleStateError, capture_rng, restore_rng)
-from tieredckpt.compare import first_difference
-import tieredckpt.shardfile as shardfile
+
+import tieredckpt._format.shardfile as shardfile
+from tieredckpt import (
+    BackgroundSaveError,
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CheckpointStore,
+    IncompatibleStateError,
+    capture_rng,
+    restore_rng,
+)
+from tieredckpt._format.compare import first_difference
 
 
 def full_state(model, opt, step):

@@ -12,15 +12,14 @@ __version__ = "0.1.0"
 
 _WHERE = {
     # the store a training loop holds
-    "CheckpointStore": "store", "SaveHandle": "store", "CheckpointInfo": "store", "StoreConfig": "config",
-    "KeepLast": "retention", "KeepEvery": "retention", "AnyOf": "retention",
-    "capture_rng": "rng", "restore_rng": "rng", "LossHistory": "runlog", "RunLog": "runlog",
-    "LocalTier": "local",
+    "CheckpointStore": "_loop.store", "SaveHandle": "_loop.store", "CheckpointInfo": "_loop.store", "StoreConfig": "_loop.config",
+    "KeepLast": "_tiers.retention", "KeepEvery": "_tiers.retention", "AnyOf": "_tiers.retention",
+    "capture_rng": "_loop.rng", "restore_rng": "_loop.rng", "LossHistory": "_loop.runlog", "RunLog": "_loop.runlog",
     # the low-level format the seed names, and the flat single-run format
-    "ShardManifest": "manifest", "ShardEntry": "manifest",
-    "save_sharded": "sharded", "load_sharded": "sharded", "verify_checkpoint": "sharded",
-    "FlatCheckpoint": "flat", "read_flat": "flat", "write_flat": "flat", "model_to_flat": "flat",
-    "flat_to_model": "flat",
+    "ShardManifest": "_format.manifest", "ShardEntry": "_format.manifest",
+    "save_sharded": "_tiers.sharded", "load_sharded": "_tiers.sharded", "verify_checkpoint": "_tiers.sharded",
+    "FlatCheckpoint": "_format.flat", "read_flat": "_format.flat", "write_flat": "_format.flat", "model_to_flat": "_format.flat",
+    "flat_to_model": "_format.flat",
     # errors
     **{name: "errors" for name in (
         "TieredCkptError", "CheckpointNotFoundError", "NotARunDirectoryError", "CheckpointExistsError",

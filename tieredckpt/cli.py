@@ -29,12 +29,12 @@ import time
 import traceback
 from pathlib import Path
 
-from . import layout
+from ._format import layout
+from ._format.shardheader import read_header
+from ._tiers.local import LocalTier
+from ._tiers.runlock import RunLock
+from ._tiers.sharded import open_shard, verify_present
 from .errors import TieredCkptError
-from .local import LocalTier
-from .runlock import RunLock
-from .shardheader import read_header
-from .sharded import open_shard, verify_present
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -131,7 +131,7 @@ def _remote_args(parser, url_help: str | None) -> None:
 
 
 def _remote(url: str, args, create: bool = False):
-    from .remote import RemoteTier
+    from ._tiers.remote import RemoteTier
     options = {}
     for item in args.remote_option:
         key, sep, value = item.partition("=")
@@ -291,8 +291,8 @@ def cmd_restore(args) -> int:
 
 
 def cmd_push(args) -> int:
-    from .lease import WriterLease
-    from .uploader import Uploader
+    from ._tiers.lease import WriterLease
+    from ._tiers.uploader import Uploader
     tier = LocalTier(args.run_dir, create=False)
     lock = RunLock(tier.root)
     lock.acquire()  # a training run writing here holds it: its own uploader does this job
@@ -325,7 +325,7 @@ def cmd_push(args) -> int:
 
 def cmd_gc(args) -> int:
     """Delete remote step directories without an upload manifest, once nobody can be finishing them."""
-    from .lease import WriterLease, describe, holder_alive
+    from ._tiers.lease import WriterLease, describe, holder_alive
     remote = _remote(args.remote_url, args)
     lease = WriterLease(remote.t)
     holder = lease.read()
@@ -353,7 +353,7 @@ class _TransferBar:
     """A thread-safe byte counter driving a Progress line."""
 
     def __init__(self, total: int, label: str) -> None:
-        from .progress import Progress
+        from ._loop.progress import Progress
         self._bar = Progress(total, label, unit="B")
         self._done = 0
         self._lock = threading.Lock()
@@ -424,7 +424,7 @@ def cmd_inspect(args) -> int:
 
 
 def cmd_convert(args) -> int:
-    from .flat import checkpoint_to_flat, flat_to_checkpoint
+    from ._format.flat import checkpoint_to_flat, flat_to_checkpoint
     src = Path(args.src)
     if src.is_file():
         step = flat_to_checkpoint(src, args.dst)
@@ -439,8 +439,8 @@ def cmd_convert(args) -> int:
 
 
 def cmd_reshard(args) -> int:
-    from .reshard import reshard
-    from .sharded import load_sharded, save_sharded
+    from ._tiers.reshard import reshard
+    from ._tiers.sharded import load_sharded, save_sharded
     tier = LocalTier(args.run_dir, create=False)
     path = tier.require(args.step)
     manifest = tier.manifest(args.step)
@@ -460,7 +460,7 @@ def cmd_reshard(args) -> int:
 
 
 def cmd_plot(args) -> int:
-    from .plot import plot_run
+    from ._loop.plot import plot_run
     print(f"wrote {plot_run(args.run_dir, args.out)}")
     return 0
 

@@ -32,8 +32,8 @@ import socket
 import threading
 import time
 
-from . import layout
-from .errors import RemoteError, WriterConflictError
+from .._format import layout
+from ..errors import RemoteError, WriterConflictError
 from .transport import Transport
 
 log = logging.getLogger("tieredckpt")

@@ -18,13 +18,19 @@ import time
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from . import layout
+from .._format import layout
+from .._format.manifest import ShardManifest
+from ..errors import CheckpointNotFoundError, NotARunDirectoryError
 from .atomic import atomic_write_bytes, building, clean_stale, fsync_dir, remove_dir
-from .errors import CheckpointNotFoundError, NotARunDirectoryError
-from .manifest import ShardManifest
 from .retention import KeepLast, Policy, plan_eviction
-from .sharded import (load_sharded, read_manifest, save_sharded, verify_checkpoint, verify_checkpoint_files,
-                      write_manifest)
+from .sharded import (
+    load_sharded,
+    read_manifest,
+    save_sharded,
+    verify_checkpoint,
+    verify_checkpoint_files,
+    write_manifest,
+)
 
 
 class LocalTier:

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from .retention import AnyOf, KeepEvery, KeepLast, Policy
+from .._tiers.retention import AnyOf, KeepEvery, KeepLast, Policy
 
 
 @dataclass(frozen=True)

@@ -43,27 +43,33 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from . import layout
-from .codec import MAX_LEVEL
-from .layout import CODECS
-from .errors import (BackgroundSaveError, CheckpointExistsError, DistributedCommitError, RemoteError,
-                     TieredCkptError, WriterConflictError)
-from .lease import WriterLease
-from .local import LocalTier
-from .manifest import ShardManifest
-from .ranks import RankGroup, commit_rank, node_key
-from .remote import PART_SIZE, RemoteTier
-from .restore import Restorer, load_into
-from .retention import Policy
-from .runlock import RunLock
+from .._format import layout
+from .._format.codec import MAX_LEVEL
+from .._format.layout import CODECS
+from .._format.manifest import ShardManifest
+from .._format.shardfile import VERIFY_MODES
+from .._tiers.lease import WriterLease
+from .._tiers.local import LocalTier
+from .._tiers.ranks import RankGroup, commit_rank, node_key
+from .._tiers.remote import PART_SIZE, RemoteTier
+from .._tiers.restore import Restorer, load_into
+from .._tiers.retention import Policy
+from .._tiers.runlock import RunLock
+from .._tiers.sharded import check_user_value, save_sharded
+from .._tiers.transport import REQUEST_TIMEOUT
+from .._tiers.uploader import MODES as UPLOAD_MODES
+from .._tiers.uploader import Uploader
+from ..errors import (
+    BackgroundSaveError,
+    CheckpointExistsError,
+    DistributedCommitError,
+    RemoteError,
+    TieredCkptError,
+    WriterConflictError,
+)
 from .runlog import RunLog, fork_run
-from .sharded import check_user_value, save_sharded
-from .shardfile import VERIFY_MODES
 from .signals import Requests, handle_signals
 from .staging import Stager
-from .transport import REQUEST_TIMEOUT
-from .uploader import MODES as UPLOAD_MODES
-from .uploader import Uploader
 
 UPLOAD_GROUP_TIMEOUT = 24 * 3600.0  # ranks wait for each other's uploads through long outages
 

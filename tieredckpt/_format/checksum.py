@@ -10,12 +10,11 @@ to :class:`StreamDigest` must not change until :meth:`StreamDigest.finish`.
 from __future__ import annotations
 
 import hashlib
+import mmap
 import os
 import queue
 import threading
 from dataclasses import dataclass
-
-import mmap
 
 import crc32c as _crc32c
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from . import tree
+from .._format import tree
 
 
 @dataclass

@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import layout
-from .atomic import atomic_write_bytes, building, fsync_file
-from .layout import ARCHIVE, LOSS, PROVENANCE, SAMPLES, SIDE_FILES, STATE  # noqa: F401 (re-exported)
+from .._format import layout
+from .._format.layout import ARCHIVE, LOSS, PROVENANCE, SAMPLES, SIDE_FILES, STATE  # noqa: F401 (re-exported)
+from .._tiers.atomic import atomic_write_bytes, building, fsync_file
 
 
 @dataclass
@@ -173,8 +173,8 @@ def fork_run(parent: str | os.PathLike, step: int, new_run_dir: str | os.PathLik
     and ``provenance.json`` naming the parent run and step. Samples and bandit
     state start clean. The two runs share no files afterwards.
     """
-    from .local import LocalTier
-    from .sharded import copy_checkpoint
+    from .._tiers.local import LocalTier
+    from .._tiers.sharded import copy_checkpoint
     source = LocalTier(parent, create=False)
     target = LocalTier(new_run_dir)
     if target.steps():

@@ -11,8 +11,8 @@ import json
 import re
 from dataclasses import asdict, dataclass
 
+from ..errors import ManifestError
 from .layout import CODECS
-from .errors import ManifestError
 from .manifest import ShardManifest, check_relative_path
 
 UPLOAD_SCHEMA = 1

@@ -23,16 +23,21 @@ from typing import Any, Callable
 
 import torch
 
-from . import layout
+from .._format import layout
+from .._format.manifest import ShardManifest
+from .._format.shardfile import read_shard
+from ..errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    DistributedCommitError,
+    IncompatibleStateError,
+    RemoteError,
+)
 from .atomic import building, fsync_dir, scratch_dir
-from .errors import (CheckpointNotFoundError, CorruptCheckpointError, DistributedCommitError,
-                     IncompatibleStateError, RemoteError)
 from .local import LocalTier
-from .manifest import ShardManifest
 from .ranks import RankGroup
 from .remote import RemoteTier
 from .reshard import reshard as reshard_states
-from .shardfile import read_shard
 from .sharded import load_rank, load_sharded_files, open_shard, shard_path, write_manifest
 
 log = logging.getLogger("tieredckpt")

@@ -22,10 +22,10 @@ from typing import Callable
 import torch
 import zstandard
 
-from .errors import CorruptCheckpointError
+from ..errors import CorruptCheckpointError
+from .layout import CODECS  # noqa: E402
 from .memview import byte_view
 
-from .layout import CODECS  # noqa: E402
 _LEN = struct.Struct("<Q")
 
 

@@ -18,8 +18,8 @@ import socket
 import time
 from pathlib import Path
 
-from . import layout
-from .errors import WriterConflictError
+from .._format import layout
+from ..errors import WriterConflictError
 
 
 def describe_holder(info: dict) -> str:

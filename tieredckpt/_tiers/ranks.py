@@ -36,10 +36,10 @@ from typing import Any
 
 import torch
 
-from . import layout
+from .._format import layout
+from .._format.manifest import ShardEntry, ShardManifest
+from ..errors import CheckpointExistsError, DistributedCommitError
 from .atomic import commit_dir, fsync_dir, make_scratch_dir
-from .errors import CheckpointExistsError, DistributedCommitError
-from .manifest import ShardEntry, ShardManifest
 from .sharded import state_numel, write_manifest, write_rank
 
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from .errors import CorruptCheckpointError, UnsupportedStateError
+from ..errors import CorruptCheckpointError, UnsupportedStateError
 
 _SCALARS = (type(None), bool, int, float, str)
 _MAX_DEPTH = 200
@@ -29,93 +29,104 @@ _MAX_DEPTH = 200
 
 def flatten(state: Any) -> tuple[Any, list[torch.Tensor], list[str]]:
     """Split ``state`` into a JSON skeleton, its tensors, and a readable name per tensor."""
-    tensors: list[torch.Tensor] = []
-    names: list[str] = []
-    used: set[str] = set()
+    flat = _Flattener()
+    return flat.walk(state, ()), flat.tensors, flat.names
 
-    def name_for(path: tuple) -> str:
+
+class _Flattener:
+    """The walk of :func:`flatten` (a class, not a recursive closure: a closure that calls
+    itself is a reference cycle, and would keep the tensors alive until the GC runs)."""
+
+    def __init__(self) -> None:
+        self.tensors: list[torch.Tensor] = []
+        self.names: list[str] = []
+        self.used: set[str] = set()
+
+    def name_for(self, path: tuple) -> str:
         base = "/".join(str(p) for p in path) or "tensor"
         name, n = base, 1
-        while name in used:
+        while name in self.used:
             name, n = f"{base}#{n}", n + 1
-        used.add(name)
+        self.used.add(name)
         return name
 
-    def walk(obj: Any, path: tuple) -> Any:
+    def walk(self, obj: Any, path: tuple) -> Any:
         if len(path) > _MAX_DEPTH:
             raise UnsupportedStateError(f"state nested deeper than {_MAX_DEPTH} levels at {_where(path)}")
         if isinstance(obj, torch.Tensor):
-            tensors.append(obj)
-            names.append(name_for(path))
-            return {"@t": len(tensors) - 1}
+            self.tensors.append(obj)
+            self.names.append(self.name_for(path))
+            return {"@t": len(self.tensors) - 1}
         if isinstance(obj, _SCALARS):
             return _check_scalar(obj)
         if isinstance(obj, dict):
-            items = [[_check_key(k, path), walk(v, path + (k,))] for k, v in obj.items()]
+            items = [[_check_key(k, path), self.walk(v, path + (k,))] for k, v in obj.items()]
             if isinstance(obj, OrderedDict):
                 meta = getattr(obj, "_metadata", None)
-                return {"@o": items, "m": walk(meta, path + ("_metadata",))}
+                return {"@o": items, "m": self.walk(meta, path + ("_metadata",))}
             return {"@d": items}
         if isinstance(obj, (list, tuple)):
             tag = "@u" if isinstance(obj, tuple) else "@l"
-            return {tag: [walk(v, path + (i,)) for i, v in enumerate(obj)]}
+            return {tag: [self.walk(v, path + (i,)) for i, v in enumerate(obj)]}
         raise UnsupportedStateError(
             f"cannot store a {type(obj).__module__}.{type(obj).__qualname__} at {_where(path)}: "
             "state may hold tensors, None, bool, int, float, str, and lists/tuples/dicts of them "
             "(convert it, e.g. numpy arrays with torch.from_numpy)"
         )
 
-    try:
-        skeleton = walk(state, ())
-    finally:
-        del walk  # a recursive closure is a reference cycle: break it, or the tensors wait for the GC
-    return skeleton, tensors, names
-
 
 def unflatten(skeleton: Any, tensors: list[torch.Tensor], source: str = "checkpoint") -> Any:
     """Rebuild the state from a skeleton read from ``source`` (untrusted) and its tensors."""
+    builder = _Builder(tensors, source)
+    try:
+        return builder.build(skeleton, 0)
+    except RecursionError as exc:
+        raise builder.bad("nested too deeply") from exc
 
-    def bad(why: str) -> CorruptCheckpointError:
-        return CorruptCheckpointError(f"{source}: invalid state tree: {why}")
 
-    def build(node: Any, depth: int) -> Any:
+class _Builder:
+    """The walk of :func:`unflatten` (a class for the same reason as _Flattener)."""
+
+    def __init__(self, tensors: list[torch.Tensor], source: str) -> None:
+        self.tensors, self.source = tensors, source
+
+    def bad(self, why: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"{self.source}: invalid state tree: {why}")
+
+    def build(self, node: Any, depth: int) -> Any:
         if depth > _MAX_DEPTH:
-            raise bad(f"nested deeper than {_MAX_DEPTH} levels")
+            raise self.bad(f"nested deeper than {_MAX_DEPTH} levels")
         if isinstance(node, _SCALARS):
             return node
         if not isinstance(node, dict) or len(node) not in (1, 2):
-            raise bad(f"unexpected node {str(node)[:80]!r}")
+            raise self.bad(f"unexpected node {str(node)[:80]!r}")
         if "@t" in node:
             index = node["@t"]
-            if type(index) is not int or not 0 <= index < len(tensors):
-                raise bad(f"tensor reference {index!r} out of range (have {len(tensors)})")
-            return tensors[index]
+            if type(index) is not int or not 0 <= index < len(self.tensors):
+                raise self.bad(f"tensor reference {index!r} out of range (have {len(self.tensors)})")
+            return self.tensors[index]
         if "@l" in node or "@u" in node:
             seq = node.get("@l", node.get("@u"))
             if not isinstance(seq, list):
-                raise bad("list node does not hold a list")
-            out = [build(v, depth + 1) for v in seq]
+                raise self.bad("list node does not hold a list")
+            out = [self.build(v, depth + 1) for v in seq]
             return tuple(out) if "@u" in node else out
         if "@d" in node or "@o" in node:
-            pairs = node.get("@d", node.get("@o"))
-            if not isinstance(pairs, list):
-                raise bad("dict node does not hold a list of pairs")
-            result = OrderedDict() if "@o" in node else {}
-            for pair in pairs:
-                if not (isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], _SCALARS)):
-                    raise bad(f"malformed dict entry {str(pair)[:80]!r}")
-                result[pair[0]] = build(pair[1], depth + 1)
-            if "@o" in node and node.get("m") is not None:
-                result._metadata = build(node["m"], depth + 1)  # type: ignore[attr-defined]
-            return result
-        raise bad(f"unknown node tag {sorted(node)!r}")
+            return self._dict(node, depth)
+        raise self.bad(f"unknown node tag {sorted(node)!r}")
 
-    try:
-        return build(skeleton, 0)
-    except RecursionError as exc:
-        raise bad("nested too deeply") from exc
-    finally:
-        del build  # the recursive closure's cycle would keep the file mappings alive until the GC
+    def _dict(self, node: dict, depth: int) -> dict:
+        pairs = node.get("@d", node.get("@o"))
+        if not isinstance(pairs, list):
+            raise self.bad("dict node does not hold a list of pairs")
+        result = OrderedDict() if "@o" in node else {}
+        for pair in pairs:
+            if not (isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], _SCALARS)):
+                raise self.bad(f"malformed dict entry {str(pair)[:80]!r}")
+            result[pair[0]] = self.build(pair[1], depth + 1)
+        if "@o" in node and node.get("m") is not None:
+            result._metadata = self.build(node["m"], depth + 1)  # type: ignore[attr-defined]
+        return result
 
 
 def _check_scalar(value: Any) -> Any:

@@ -32,15 +32,21 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
-from . import layout
+from .._format import layout
+from .._format.checksum import crc32c_update, crc_hex, map_file
+from .._format.manifest import ShardManifest
+from .._format.uploadmanifest import MAX_UPLOAD_MANIFEST, PartEntry, UploadedFile, UploadManifest
+from ..errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    ManifestError,
+    MissingShardError,
+    RemoteError,
+    RemoteNotFoundError,
+)
 from .atomic import atomic_write_bytes
-from .checksum import crc32c_update, crc_hex, map_file
-from .errors import (CheckpointNotFoundError, CorruptCheckpointError, ManifestError, MissingShardError, RemoteError,
-                     RemoteNotFoundError)
-from .manifest import ShardManifest
 from .sharded import shard_path
 from .transport import REQUEST_TIMEOUT, Transport
-from .uploadmanifest import MAX_UPLOAD_MANIFEST, PartEntry, UploadedFile, UploadManifest
 
 PART_SIZE = 64 << 20
 MAX_SIDE_FILE = 1 << 30  # a side file larger than this is not one we wrote
@@ -180,8 +186,8 @@ class RemoteTier:
                               f"on the remote (first: {missing[0]}); sending them again", transient=True)
 
     def _upload_file(self, path, name, size, step_dir, codec, level, done, progress) -> list[PartEntry]:
-        from .codec import encode  # torch: only when something is sent
-        from .memview import byte_view
+        from .._format.codec import encode  # torch: only when something is sent
+        from .._format.memview import byte_view
         buf = map_file(path, size)
         parts: list[PartEntry] = []
         in_flight = threading.BoundedSemaphore(self.concurrency + 1)
@@ -245,7 +251,7 @@ class RemoteTier:
                 os.close(fd)
 
     def _fetch_part(self, upload: UploadManifest, fd: int, part: PartEntry, progress) -> None:
-        from .codec import decode_into  # torch: only when something is fetched
+        from .._format.codec import decode_into  # torch: only when something is fetched
         rel = f"{layout.step_dir_name(upload.step)}/{part.path}"
         try:
             stored = self.t.get(rel, part.stored_size)  # never more than the manifest declares
@@ -301,7 +307,7 @@ class RemoteTier:
         local copy is replaced only by a longer remote one that starts with it... or, when
         they diverge, merged by step (see runlog.merge_loss).
         """
-        from .runlog import merge_loss
+        from .._loop.runlog import merge_loss
         fetched = []
         for rel, size in sorted(self.t.list_files(layout.RUN_PREFIX).items()):
             if not layout.is_synced_name(rel) or size > MAX_SIDE_FILE:

@@ -24,7 +24,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from pathlib import PurePosixPath
 
-from .errors import ManifestError, ShardCountMismatchError
+from ..errors import ManifestError, ShardCountMismatchError
 
 SCHEMA_VERSION = 1
 MAX_MANIFEST_BYTES = 64 << 20

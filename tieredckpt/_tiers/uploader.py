@@ -45,14 +45,14 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Callable
 
-from . import layout
+from .._format import layout
+from .._format.uploadmanifest import PartEntry, UploadedFile
+from ..errors import RemoteError, TieredCkptError, UploadError, WriterConflictError
 from .atomic import atomic_write_bytes
-from .errors import RemoteError, TieredCkptError, UploadError, WriterConflictError
 from .lease import WriterLease
 from .local import LocalTier
 from .remote import RemoteTier
 from .retention import Policy, pins, plan_eviction
-from .uploadmanifest import PartEntry, UploadedFile
 
 log = logging.getLogger("tieredckpt")
 MODES = ("newest", "all")

@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from . import layout
+from .._format import layout
 
 
 def fsync_dir(path: str | os.PathLike) -> None:

@@ -16,7 +16,7 @@ import json
 import os
 from pathlib import Path
 
-from .errors import CorruptCheckpointError
+from ..errors import CorruptCheckpointError
 from .safefile import open_checked
 
 MAX_HEADER = 256 << 20

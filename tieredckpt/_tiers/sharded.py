@@ -25,12 +25,19 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from . import layout
+from .._format import layout
+from .._format.manifest import MAX_MANIFEST_BYTES, MAX_USER_DEPTH, ShardEntry, ShardManifest, json_depth
+from .._format.safefile import Checked, open_checked, read_small
+from ..errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    ChecksumMismatchError,
+    DiskFullError,
+    ManifestError,
+    UnsupportedStateError,
+    WorldSizeMismatchError,
+)
 from .atomic import building, fsync_file, write_all
-from .errors import (CheckpointExistsError, CheckpointNotFoundError, ChecksumMismatchError, DiskFullError,
-                     ManifestError, UnsupportedStateError, WorldSizeMismatchError)
-from .manifest import MAX_MANIFEST_BYTES, MAX_USER_DEPTH, ShardEntry, ShardManifest, json_depth
-from .safefile import Checked, open_checked, read_small
 
 # torch is imported by the functions that move tensors (tree, shardfile, staging), not
 # here: reading manifests and checksumming files -- `tieredckpt ls`, `verify` -- need none.
@@ -107,24 +114,24 @@ def write_manifest(directory: Path, manifest: ShardManifest) -> None:
 
 def write_rank(path: Path, state: Any):
     """Write one rank's shard from plain state or a store's Staged snapshot."""
-    from .shardfile import write_flattened, write_shard
-    from .staging import Staged
+    from .._format.shardfile import write_flattened, write_shard
+    from .._loop.staging import Staged
     if isinstance(state, Staged):  # already snapshotted by the store
         return write_flattened(path, state.skeleton, state.tensors, state.names)
     return write_shard(path, state)
 
 
 def state_nbytes(state: Any) -> int:
-    from . import tree
-    from .staging import Staged
+    from .._format import tree
+    from .._loop.staging import Staged
     tensors = state.tensors if isinstance(state, Staged) else tree.flatten(state)[1]
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def state_numel(state: Any) -> int:
     """How many tensor elements a rank's state (or Staged snapshot) holds."""
-    from . import tree
-    from .staging import Staged
+    from .._format import tree
+    from .._loop.staging import Staged
     tensors = state.tensors if isinstance(state, Staged) else tree.flatten(state)[1]
     return sum(t.numel() for t in tensors)
 
@@ -178,7 +185,7 @@ def open_shard(dir: str | os.PathLike, entry: ShardEntry) -> Checked:
 
 def load_rank(dir: str | os.PathLike, rank: int, expected_world_size: int, verify: str = "crc") -> Any:
     """One rank's state (on a node that holds only its own ranks' shards), verified."""
-    from .shardfile import read_shard
+    from .._format.shardfile import read_shard
     manifest = read_manifest(dir)
     if manifest.world_size != expected_world_size:
         raise WorldSizeMismatchError(
@@ -204,7 +211,7 @@ def load_sharded(dir: str | os.PathLike, expected_world_size: int, verify: str =
 
 def load_sharded_files(dir: str | os.PathLike, manifest: ShardManifest, verify: str = "crc") -> list[Any]:
     """Every rank's state from the shard files in ``dir``, checked against ``manifest``."""
-    from .shardfile import read_shard
+    from .._format.shardfile import read_shard
     paths = shard_paths(dir, manifest)  # cheap checks on every shard before reading any
     return [read_shard(path, size=e.size, crc32c=e.crc32c, sha256=e.sha256, verify=verify)
             for path, e in zip(paths, manifest.shards)]
@@ -268,5 +275,5 @@ def verify_checkpoint_files(dir: str | os.PathLike, manifest: ShardManifest, ful
                 raise ChecksumMismatchError(f"{f.path}: sha256 {got.sha256} does not match the manifest's "
                                             f"{entry.sha256} (corrupt)")
             if full:
-                from .shardfile import decode
+                from .._format.shardfile import decode
                 decode(f.map(), str(f.path))  # parses the header and every tensor entry, as a load does

@@ -31,8 +31,8 @@ from typing import Any, Callable
 import fsspec
 from fsspec.asyn import AsyncFileSystem
 
+from ..errors import RemoteAccessError, RemoteError, RemoteNotFoundError, TieredCkptError
 from .credentials import redact_url, scrub, secret_values, url_secrets
-from .errors import RemoteAccessError, RemoteError, RemoteNotFoundError, TieredCkptError
 
 REQUEST_TIMEOUT = 60.0  # seconds per request, plus one second per MB it moves
 _BYTES_PER_SECOND = 1_000_000

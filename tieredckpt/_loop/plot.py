@@ -8,8 +8,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .errors import TieredCkptError
-from .local import LocalTier
+from .._tiers.local import LocalTier
+from ..errors import TieredCkptError
 from .runlog import RunLog
 
 

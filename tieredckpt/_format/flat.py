@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch
 
+from .._tiers.atomic import fsync_dir, write_all
+from ..errors import CheckpointNotFoundError, FlatFormatError, UnsupportedStateError
 from . import layout
-from .atomic import fsync_dir, write_all
-from .errors import CheckpointNotFoundError, FlatFormatError, UnsupportedStateError
 from .memview import byte_view
 
 _HEADER = struct.Struct("<ii")
@@ -174,7 +174,7 @@ def _checked_params(model, optimizer) -> list[tuple[str, torch.nn.Parameter]]:
 
 def flat_to_checkpoint(flat_path: str | os.PathLike, run_dir: str | os.PathLike) -> int:
     """Convert ``step_NNNNNN.bin`` into a committed tieredckpt checkpoint; returns the step."""
-    from .local import LocalTier
+    from .._tiers.local import LocalTier
     flat = read_flat(flat_path)
     state = {FLAT_KEY: {"step": flat.step, "weights": flat.weights, "m": flat.m, "v": flat.v}}
     LocalTier(run_dir).save(flat.step, [state], user={"converted_from": Path(flat_path).name})
@@ -183,7 +183,7 @@ def flat_to_checkpoint(flat_path: str | os.PathLike, run_dir: str | os.PathLike)
 
 def checkpoint_to_flat(run_dir: str | os.PathLike, out_path: str | os.PathLike, step: int | None = None) -> int:
     """Write a checkpoint that holds flat state (see flat_to_checkpoint) as ``step_NNNNNN.bin``."""
-    from .local import LocalTier
+    from .._tiers.local import LocalTier
     (state,) = LocalTier(run_dir, create=False).load(step, world_size=1)
     flat = state.get(FLAT_KEY) if isinstance(state, dict) else None
     if not isinstance(flat, dict) or not {"step", "weights", "m", "v"} <= set(flat):

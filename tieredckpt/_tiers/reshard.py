@@ -19,8 +19,8 @@ from typing import Any, Sequence
 
 import torch
 
-from .compare import first_difference
-from .errors import UnsupportedStateError
+from .._format.compare import first_difference
+from ..errors import UnsupportedStateError
 
 FLAT_KEY = "flat"
 Span = tuple[int, int]  # (offset, numel)

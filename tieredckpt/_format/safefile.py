@@ -23,7 +23,7 @@ import os
 import stat
 from pathlib import Path
 
-from .errors import CorruptCheckpointError, MissingShardError, UnreadableFileError
+from ..errors import CorruptCheckpointError, MissingShardError, UnreadableFileError
 
 
 class Checked:

@@ -1,0 +1,2 @@
+"""The training loop's side: the store it holds, staging copies, signals, RNG, side files, config.
+"""
