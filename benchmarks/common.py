@@ -73,7 +73,7 @@ def warm_memory(nbytes: int) -> None:
     gc.collect()
 
 
-from tieredckpt._tiers.atomic import fsync_file as fsync_path  # noqa: E402
+from tieredckpt._format.atomic import fsync_file as fsync_path  # noqa: E402
 
 
 def fsync_tree(path: str) -> None:

@@ -10,12 +10,11 @@ import torch
 import tieredckpt
 from tieredckpt import AnyOf, CheckpointStore, KeepEvery, KeepLast, StoreConfig
 
-
 PUBLIC = {
     "CheckpointStore", "SaveHandle", "CheckpointInfo", "StoreConfig", "KeepLast", "KeepEvery", "AnyOf",
     "capture_rng", "restore_rng", "LossHistory", "RunLog",
     "ShardManifest", "ShardEntry", "save_sharded", "load_sharded", "verify_checkpoint",
-    "FlatCheckpoint", "read_flat", "write_flat", "model_to_flat", "flat_to_model", "__version__",
+    "FlatCheckpoint", "read_flat", "write_flat", "model_to_flat", "flat_to_model", "flat_state", "__version__",
 }
 
 

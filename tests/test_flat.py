@@ -10,15 +10,8 @@ from conftest import train_step, trained
 
 from tieredckpt import CheckpointNotFoundError, FlatFormatError, UnsupportedStateError
 from tieredckpt._format.compare import first_difference
-from tieredckpt._format.flat import (
-    checkpoint_to_flat,
-    flat_state,
-    flat_to_checkpoint,
-    flat_to_model,
-    model_to_flat,
-    read_flat,
-    write_flat,
-)
+from tieredckpt._format.flat import flat_state, flat_to_model, model_to_flat, read_flat, write_flat
+from tieredckpt._tiers.convert import checkpoint_to_flat, flat_to_checkpoint
 
 
 @pytest.mark.parametrize("n", [0, 1, 7, 1000])

@@ -18,8 +18,8 @@ _WHERE = {
     # the low-level format the seed names, and the flat single-run format
     "ShardManifest": "_format.manifest", "ShardEntry": "_format.manifest",
     "save_sharded": "_tiers.sharded", "load_sharded": "_tiers.sharded", "verify_checkpoint": "_tiers.sharded",
-    "FlatCheckpoint": "_format.flat", "read_flat": "_format.flat", "write_flat": "_format.flat", "model_to_flat": "_format.flat",
-    "flat_to_model": "_format.flat",
+    **{name: "_format.flat" for name in (
+        "FlatCheckpoint", "read_flat", "write_flat", "model_to_flat", "flat_to_model", "flat_state")},
     # errors
     **{name: "errors" for name in (
         "TieredCkptError", "CheckpointNotFoundError", "NotARunDirectoryError", "CheckpointExistsError",

@@ -424,7 +424,7 @@ def cmd_inspect(args) -> int:
 
 
 def cmd_convert(args) -> int:
-    from ._format.flat import checkpoint_to_flat, flat_to_checkpoint
+    from ._tiers.convert import checkpoint_to_flat, flat_to_checkpoint
     src = Path(args.src)
     if src.is_file():
         step = flat_to_checkpoint(src, args.dst)

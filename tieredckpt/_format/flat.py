@@ -6,7 +6,7 @@ little-endian, exactly ``8 + 12 * n`` bytes. Parameter order is the model's
 ``parameters()`` order. Conversions:
 
     model + AdamW  <-> FlatCheckpoint   (model_to_flat / flat_to_model)
-    step_NNNNNN.bin <-> tieredckpt checkpoint  (flat_to_checkpoint / checkpoint_to_flat)
+    step_NNNNNN.bin <-> a run directory's checkpoint: _tiers/convert.py
 
 Files are written atomically (sibling temp, fsync, rename, fsync dir), and a
 read validates the header against the file size before touching any tensor.
@@ -21,14 +21,14 @@ from pathlib import Path
 
 import torch
 
-from .._tiers.atomic import fsync_dir, write_all
 from ..errors import CheckpointNotFoundError, FlatFormatError, UnsupportedStateError
 from . import layout
+from .atomic import atomic_write_chunks
 from .memview import byte_view
 
 _HEADER = struct.Struct("<ii")
 _INT32_MAX = 2**31 - 1
-FLAT_KEY = "flat_v1"  # marks a tieredckpt checkpoint converted from/to a flat file
+FLAT_KEY = layout.FLAT_FILE_KEY  # marks a checkpoint converted from/to a flat file
 
 
 @dataclass
@@ -55,24 +55,8 @@ def write_flat(path: str | os.PathLike, step: int, weights, m, v) -> None:
         raise ValueError(f"weights, m and v differ in length: {[a.numel() for a in arrays]}")
     if type(step) is not int or not 0 <= step <= _INT32_MAX or n > _INT32_MAX:
         raise ValueError(f"step {step!r} and n_params {n} must fit a non-negative int32")
-    path = Path(path)
-    tmp = path.with_name(layout.scratch_name(path.name))
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
-        write_all(fd, _HEADER.pack(step, n))
-        for a in arrays:
-            if n:
-                write_all(fd, byte_view(a))
-        os.fsync(fd)
-        os.close(fd)
-        fd = -1
-        os.replace(tmp, path)  # the old file or the complete new one, never a mix
-        fsync_dir(path.parent)
-    except BaseException:
-        if fd >= 0:
-            os.close(fd)
-        tmp.unlink(missing_ok=True)
-        raise
+    # the old file or the complete new one, never a mix
+    atomic_write_chunks(path, [_HEADER.pack(step, n), *(byte_view(a) for a in arrays if n)])
 
 
 def read_flat(path: str | os.PathLike) -> FlatCheckpoint:
@@ -168,30 +152,6 @@ def _checked_params(model, optimizer) -> list[tuple[str, torch.nn.Parameter]]:
         if id(p) not in in_optimizer:
             raise UnsupportedStateError(f"parameter {name!r} is not in the optimizer; the flat format needs m and v for every parameter")
     return params
-
-
-# ---- flat file <-> tieredckpt checkpoint -------------------------------------
-
-def flat_to_checkpoint(flat_path: str | os.PathLike, run_dir: str | os.PathLike) -> int:
-    """Convert ``step_NNNNNN.bin`` into a committed tieredckpt checkpoint; returns the step."""
-    from .._tiers.local import LocalTier
-    flat = read_flat(flat_path)
-    state = {FLAT_KEY: {"step": flat.step, "weights": flat.weights, "m": flat.m, "v": flat.v}}
-    LocalTier(run_dir).save(flat.step, [state], user={"converted_from": Path(flat_path).name})
-    return flat.step
-
-
-def checkpoint_to_flat(run_dir: str | os.PathLike, out_path: str | os.PathLike, step: int | None = None) -> int:
-    """Write a checkpoint that holds flat state (see flat_to_checkpoint) as ``step_NNNNNN.bin``."""
-    from .._tiers.local import LocalTier
-    (state,) = LocalTier(run_dir, create=False).load(step, world_size=1)
-    flat = state.get(FLAT_KEY) if isinstance(state, dict) else None
-    if not isinstance(flat, dict) or not {"step", "weights", "m", "v"} <= set(flat):
-        raise UnsupportedStateError(
-            f"{run_dir}: step {step} does not hold flat state ('{FLAT_KEY}' with step, weights, m, v); "
-            "save one with tieredckpt.flat.flat_state(model, optimizer) or convert from a .bin")
-    write_flat(out_path, flat["step"], flat["weights"], flat["m"], flat["v"])
-    return flat["step"]
 
 
 def flat_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int | None = None) -> dict:

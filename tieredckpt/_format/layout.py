@@ -41,6 +41,9 @@ ARCHIVE = "archive"
 PROVENANCE = "provenance.json"
 QUARANTINE = "quarantine"
 CODECS = ("raw", "zstd", "zstd-planes")  # how a part of a shard is stored on the remote (codec.py)
+# Keys of the state a checkpoint holds, where tieredckpt itself gives the state its shape:
+FLAT_FILE_KEY = "flat_v1"  # a state converted from (or for) a flat step_NNNNNN.bin file (flat.py)
+PARTITIONED_KEY = "flat"  # a rank's slice of the flat parameter space, ZeRO-style (reshard.py)
 SIDE_FILES = (LOSS, SAMPLES, STATE)
 SYNCED_FILES = (LOSS, SAMPLES, STATE, PROVENANCE)  # travel with the run to the remote
 _ARCHIVE_RE = re.compile(r"^archive/pivot_step_\d{6,}(?:-\d+)?/[\w.-]+$")

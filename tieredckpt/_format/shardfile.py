@@ -25,9 +25,9 @@ from typing import Any
 
 import torch
 
-from .._tiers.atomic import write_all
 from ..errors import ChecksumMismatchError, CorruptCheckpointError, UnsupportedStateError
 from . import tree
+from .atomic import write_all
 from .checksum import CHUNK, Digest, StreamDigest, digest_buffer
 from .memview import byte_view
 from .safefile import open_checked

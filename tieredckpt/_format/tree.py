@@ -17,6 +17,7 @@ decoding only builds dicts, lists, tuples and the tensors it is handed.
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,6 +26,19 @@ from ..errors import CorruptCheckpointError, UnsupportedStateError
 
 _SCALARS = (type(None), bool, int, float, str)
 _MAX_DEPTH = 200
+
+
+@dataclass
+class Staged:
+    """A flattened state: its JSON skeleton, its tensors, a name per tensor. The store's staging
+    copy is one (tensors owned by the stager); a shard is written from one."""
+    skeleton: Any
+    tensors: list[torch.Tensor]
+    names: list[str]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors)
 
 
 def flatten(state: Any) -> tuple[Any, list[torch.Tensor], list[str]]:

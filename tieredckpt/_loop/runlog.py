@@ -29,8 +29,9 @@ from pathlib import Path
 from typing import Any
 
 from .._format import layout
+from .._format.atomic import atomic_write_bytes, building, fsync_file
 from .._format.layout import ARCHIVE, LOSS, PROVENANCE, SAMPLES, SIDE_FILES, STATE  # noqa: F401 (re-exported)
-from .._tiers.atomic import atomic_write_bytes, building, fsync_file
+from .._format.lossfile import merge_loss  # noqa: F401 (the remote merges with it)
 
 
 @dataclass
@@ -190,30 +191,6 @@ def fork_run(parent: str | os.PathLike, step: int, new_run_dir: str | os.PathLik
         {"parent_run": str(Path(parent).resolve()), "parent_step": step, "forked_unix": time.time()},
         indent=1).encode())
     return target.root
-
-
-def merge_loss(local: bytes, remote: bytes) -> bytes:
-    """Two copies of an append-only ``.loss.json`` made one: the longer, plus any step only the other has.
-
-    When one is a prefix of the other (the usual case: the remote copy lags or leads),
-    that is the longer one unchanged.
-    """
-    longer, shorter = (local, remote) if len(local) >= len(remote) else (remote, local)
-    if longer.startswith(shorter):
-        return longer
-    if longer and not longer.endswith(b"\n"):
-        longer += b"\n"
-    have = {_step_of(line) for line in longer.splitlines()}
-    extra = [line for line in shorter.splitlines() if _step_of(line) not in have and _step_of(line) is not None]
-    return longer + b"".join(line + b"\n" for line in extra)
-
-
-def _step_of(line: bytes):
-    try:
-        entry = json.loads(line)
-    except ValueError:
-        return None
-    return entry.get("step") if isinstance(entry, dict) and "loss" in entry else None
 
 
 def _unused(path: Path) -> Path:

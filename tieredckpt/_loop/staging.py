@@ -13,24 +13,12 @@ write has finished with them (back-pressure: at most one staged copy).
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from .._format import tree
-
-
-@dataclass
-class Staged:
-    """A consistent snapshot: JSON skeleton, CPU tensors (owned by the stager), names."""
-    skeleton: Any
-    tensors: list[torch.Tensor]
-    names: list[str]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors)
+from .._format.tree import Staged
 
 
 class Stager:

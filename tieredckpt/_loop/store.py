@@ -441,7 +441,7 @@ class CheckpointStore(AbstractContextManager):
         key is checked before any object is touched. ``mark_resume`` records the
         resume in the loss history so replayed steps can be told apart.
         ``reshard``: a checkpoint written by another number of ranks is re-split
-        for this world (ZeRO-style "flat" state, see tieredckpt.reshard); without
+        for this world (ZeRO-style "flat" state, see _tiers/reshard.py); without
         it a world-size change is refused.
         """
         self._check_open()

@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from .._format import layout
+from .._format.atomic import atomic_write_bytes, building, clean_stale, fsync_dir, remove_dir
 from .._format.manifest import ShardManifest
 from ..errors import CheckpointNotFoundError, NotARunDirectoryError
-from .atomic import atomic_write_bytes, building, clean_stale, fsync_dir, remove_dir
 from .retention import KeepLast, Policy, plan_eviction
 from .sharded import (
     load_sharded,

@@ -37,9 +37,9 @@ from typing import Any
 import torch
 
 from .._format import layout
+from .._format.atomic import commit_dir, fsync_dir, make_scratch_dir
 from .._format.manifest import ShardEntry, ShardManifest
 from ..errors import CheckpointExistsError, DistributedCommitError
-from .atomic import commit_dir, fsync_dir, make_scratch_dir
 from .sharded import state_numel, write_manifest, write_rank
 
 

@@ -33,7 +33,9 @@ from pathlib import Path
 from typing import Callable
 
 from .._format import layout
+from .._format.atomic import atomic_write_bytes
 from .._format.checksum import crc32c_update, crc_hex, map_file
+from .._format.lossfile import merge_loss
 from .._format.manifest import ShardManifest
 from .._format.uploadmanifest import MAX_UPLOAD_MANIFEST, PartEntry, UploadedFile, UploadManifest
 from ..errors import (
@@ -44,7 +46,6 @@ from ..errors import (
     RemoteError,
     RemoteNotFoundError,
 )
-from .atomic import atomic_write_bytes
 from .sharded import shard_path
 from .transport import REQUEST_TIMEOUT, Transport
 
@@ -307,7 +308,6 @@ class RemoteTier:
         local copy is replaced only by a longer remote one that starts with it... or, when
         they diverge, merged by step (see runlog.merge_loss).
         """
-        from .._loop.runlog import merge_loss
         fetched = []
         for rel, size in sorted(self.t.list_files(layout.RUN_PREFIX).items()):
             if not layout.is_synced_name(rel) or size > MAX_SIDE_FILE:

@@ -19,10 +19,11 @@ from typing import Any, Sequence
 
 import torch
 
+from .._format import layout
 from .._format.compare import first_difference
 from ..errors import UnsupportedStateError
 
-FLAT_KEY = "flat"
+FLAT_KEY = layout.PARTITIONED_KEY
 Span = tuple[int, int]  # (offset, numel)
 
 

@@ -9,7 +9,7 @@
                     copy is replaced, with a warning);
         many ranks: this rank's shard, locally or fetched alone from the remote;
                     every rank learns if any rank failed (no rank goes on alone);
-        reshard:    every source shard, re-split for this world (tieredckpt.reshard).
+        reshard:    every source shard, re-split for this world (_tiers/reshard.py).
     load_into(state, into) -> live objects loaded only after every key and shape checks.
 """
 
@@ -24,6 +24,7 @@ from typing import Any, Callable
 import torch
 
 from .._format import layout
+from .._format.atomic import building, fsync_dir, scratch_dir
 from .._format.manifest import ShardManifest
 from .._format.shardfile import read_shard
 from ..errors import (
@@ -33,7 +34,6 @@ from ..errors import (
     IncompatibleStateError,
     RemoteError,
 )
-from .atomic import building, fsync_dir, scratch_dir
 from .local import LocalTier
 from .ranks import RankGroup
 from .remote import RemoteTier

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from .._format import layout
+from .._format.atomic import building, fsync_file, write_all
 from .._format.manifest import MAX_MANIFEST_BYTES, MAX_USER_DEPTH, ShardEntry, ShardManifest, json_depth
 from .._format.safefile import Checked, open_checked, read_small
 from ..errors import (
@@ -37,7 +38,6 @@ from ..errors import (
     UnsupportedStateError,
     WorldSizeMismatchError,
 )
-from .atomic import building, fsync_file, write_all
 
 # torch is imported by the functions that move tensors (tree, shardfile, staging), not
 # here: reading manifests and checksumming files -- `tieredckpt ls`, `verify` -- need none.
@@ -115,7 +115,7 @@ def write_manifest(directory: Path, manifest: ShardManifest) -> None:
 def write_rank(path: Path, state: Any):
     """Write one rank's shard from plain state or a store's Staged snapshot."""
     from .._format.shardfile import write_flattened, write_shard
-    from .._loop.staging import Staged
+    from .._format.tree import Staged
     if isinstance(state, Staged):  # already snapshotted by the store
         return write_flattened(path, state.skeleton, state.tensors, state.names)
     return write_shard(path, state)
@@ -123,7 +123,7 @@ def write_rank(path: Path, state: Any):
 
 def state_nbytes(state: Any) -> int:
     from .._format import tree
-    from .._loop.staging import Staged
+    from .._format.tree import Staged
     tensors = state.tensors if isinstance(state, Staged) else tree.flatten(state)[1]
     return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -131,7 +131,7 @@ def state_nbytes(state: Any) -> int:
 def state_numel(state: Any) -> int:
     """How many tensor elements a rank's state (or Staged snapshot) holds."""
     from .._format import tree
-    from .._loop.staging import Staged
+    from .._format.tree import Staged
     tensors = state.tensors if isinstance(state, Staged) else tree.flatten(state)[1]
     return sum(t.numel() for t in tensors)
 

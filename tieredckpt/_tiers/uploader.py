@@ -46,9 +46,9 @@ from pathlib import Path
 from typing import Callable
 
 from .._format import layout
+from .._format.atomic import atomic_write_bytes
 from .._format.uploadmanifest import PartEntry, UploadedFile
 from ..errors import RemoteError, TieredCkptError, UploadError, WriterConflictError
-from .atomic import atomic_write_bytes
 from .lease import WriterLease
 from .local import LocalTier
 from .remote import RemoteTier

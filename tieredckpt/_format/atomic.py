@@ -48,11 +48,22 @@ def write_all(fd: int, data) -> None:
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     """Replace ``path`` with ``data``: write a sibling temp, fsync, rename, fsync dir."""
+    atomic_write_chunks(path, [data])
+
+
+def atomic_write_chunks(path: str | os.PathLike, chunks) -> None:
+    """Replace ``path`` with the concatenation of ``chunks`` (buffers), durably and atomically.
+
+    Order: a sibling temp file (same directory, so the rename is atomic) -> every chunk
+    written -> fsync -> rename over ``path`` -> fsync the directory. Readers see the old
+    file or the complete new one; a crash leaves at most a temp file with a dead pid.
+    """
     path = Path(path)
     tmp = path.with_name(layout.scratch_name(path.name))
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
-        write_all(fd, data)
+        for chunk in chunks:
+            write_all(fd, chunk)
         os.fsync(fd)
     except BaseException:
         os.close(fd)
