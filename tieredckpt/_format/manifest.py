@@ -66,12 +66,7 @@ class ShardManifest:
     @classmethod
     def from_json(cls, text: str | bytes, source: str = "manifest") -> "ShardManifest":
         """Parse and validate an untrusted manifest; ``source`` names it in errors."""
-        if len(text) > MAX_MANIFEST_BYTES:
-            raise ManifestError(f"{source}: {len(text)} bytes is too large for a manifest")
-        try:
-            raw = json.loads(text)
-        except (ValueError, RecursionError) as exc:
-            raise ManifestError(f"{source}: not valid JSON ({exc})") from None
+        raw = parse_json(text, MAX_MANIFEST_BYTES, source, "a manifest")
         if isinstance(raw, dict) and DIGEST_KEY in raw:
             want = raw.pop(DIGEST_KEY)
             if canonical_digest(raw) != want:
@@ -82,6 +77,16 @@ class ShardManifest:
     @property
     def total_size(self) -> int:
         return sum(s.size for s in self.shards)
+
+
+def parse_json(text: str | bytes, limit: int, source: str, what: str):
+    """Untrusted JSON of at most ``limit`` bytes; anything else is a ManifestError naming ``source``."""
+    if len(text) > limit:
+        raise ManifestError(f"{source}: {len(text)} bytes is too large for {what}")
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise ManifestError(f"{source}: not valid JSON ({exc})") from None
 
 
 def canonical_digest(raw: dict) -> str:

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 
 from ..errors import ManifestError
 from .layout import CODECS
-from .manifest import ShardManifest, check_relative_path
+from .manifest import ShardManifest, check_relative_path, parse_json
 
 UPLOAD_SCHEMA = 1
 MAX_UPLOAD_MANIFEST = 8 << 20  # ~40,000 parts; larger is not one we wrote (read with a bounded request)
@@ -61,12 +61,7 @@ class UploadManifest:
     @classmethod
     def from_json(cls, text: str | bytes, source: str) -> "UploadManifest":
         """Parse and validate an untrusted upload manifest."""
-        if len(text) > MAX_UPLOAD_MANIFEST:
-            raise ManifestError(f"{source}: {len(text)} bytes is too large for an upload manifest")
-        try:
-            raw = json.loads(text)
-        except (ValueError, RecursionError) as exc:
-            raise ManifestError(f"{source}: not valid JSON ({exc})") from None
+        raw = parse_json(text, MAX_UPLOAD_MANIFEST, source, "an upload manifest")
         if not isinstance(raw, dict) or raw.get("schema_version") != UPLOAD_SCHEMA:
             raise ManifestError(f"{source}: not an upload manifest of schema_version {UPLOAD_SCHEMA}")
         if raw.get("codec") not in CODECS:

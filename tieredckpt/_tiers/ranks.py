@@ -29,7 +29,6 @@ import json
 import os
 import shutil
 import socket
-import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -38,9 +37,10 @@ import torch
 
 from .._format import layout
 from .._format.atomic import commit_dir, fsync_dir, make_scratch_dir
-from .._format.manifest import ShardEntry, ShardManifest
+from .._format.checksum import Digest
+from .._format.manifest import ShardManifest
 from ..errors import CheckpointExistsError, DistributedCommitError
-from .sharded import state_numel, write_manifest, write_rank
+from .sharded import make_manifest, state_numel, write_manifest, write_rank
 
 
 class RankGroup:
@@ -145,12 +145,12 @@ def commit_rank(root: Path, step: int, state: Any, ranks: RankGroup, *,
 
 
 def _manifest(step: int, infos: list[dict], wall: float, user: dict | None) -> ShardManifest:
-    entries, offset = [], 0
-    for rank, i in enumerate(infos):
+    """What every rank reported, as the manifest (sharded.make_manifest; default spans end to end)."""
+    spans, offset = [], 0
+    for i in infos:
         span = tuple(i["span"]) if i["span"] else (offset, i["numel"])
-        entries.append(ShardEntry(rank=rank, path=layout.shard_name(rank), sha256=i["sha256"], size=i["size"],
-                                  crc32c=i["crc32c"], param_shard_offset=span[0], param_shard_numel=span[1]))
+        spans.append(span)
         offset = span[0] + span[1]
-    return ShardManifest(world_size=len(infos), step=step, wall_clock_seconds=float(wall), shards=entries,
-                         created_unix=time.time(), user=dict(user or {}))
+    digests = [Digest(i["size"], i["crc32c"], i["sha256"]) for i in infos]
+    return make_manifest(step, digests, spans, wall, user)
 

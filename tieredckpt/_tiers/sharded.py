@@ -76,18 +76,21 @@ def save_sharded(state_dict_per_rank: Sequence[Any], dir: str | os.PathLike, ste
 
 def _save(state_dict_per_rank, final: Path, step: int, spans, wall_clock_seconds, user) -> ShardManifest:
     with building(final) as tmp:  # shards, then the manifest, then the atomic rename
-        entries = []
-        for rank, state in enumerate(state_dict_per_rank):
-            name = layout.shard_name(rank)
-            digest = write_rank(tmp / name, state)  # fsynced inside
-            entries.append(ShardEntry(rank=rank, path=name, sha256=digest.sha256, size=digest.size,
-                                      crc32c=digest.crc32c, param_shard_offset=spans[rank][0],
-                                      param_shard_numel=spans[rank][1]))
-        manifest = ShardManifest(world_size=len(entries), step=step,
-                                 wall_clock_seconds=float(wall_clock_seconds), shards=entries,
-                                 created_unix=time.time(), user=dict(user or {}))
+        digests = [write_rank(tmp / layout.shard_name(rank), state)  # fsynced inside
+                   for rank, state in enumerate(state_dict_per_rank)]
+        manifest = make_manifest(step, digests, spans, wall_clock_seconds, user)
         write_manifest(tmp, manifest)  # last: names only durable shards
     return manifest
+
+
+def make_manifest(step: int, digests, spans, wall_clock_seconds: float, user: dict | None) -> ShardManifest:
+    """The one place a checkpoint manifest is made: rank r's shard ``rank{r}.bin`` with its
+    digest (size, crc32c, sha256) and its (offset, numel) span of the flat parameter space."""
+    entries = [ShardEntry(rank=rank, path=layout.shard_name(rank), sha256=d.sha256, size=d.size, crc32c=d.crc32c,
+                          param_shard_offset=span[0], param_shard_numel=span[1])
+               for rank, (d, span) in enumerate(zip(digests, spans))]
+    return ShardManifest(world_size=len(entries), step=step, wall_clock_seconds=float(wall_clock_seconds),
+                         shards=entries, created_unix=time.time(), user=dict(user or {}))
 
 
 def check_user_value(user: dict | None) -> dict:
