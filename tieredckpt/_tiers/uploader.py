@@ -586,6 +586,7 @@ class Uploader:
         """How far uploads lag, and the last error: what `ls` and ``store.list()`` show."""
         with self._cond:
             return {"remote": self.remote.display_url, "mode": self.mode,
+                    "remote_read": self._known,  # False until the uploader has reached the remote once
                     "newest_uploaded": max(self.uploaded) if self.uploaded else None,
                     "pending": sorted(self._pending), "uploading": self._current,
                     "last_error": dict(self._last_error) if self._last_error else None,
