@@ -43,18 +43,19 @@ from tieredckpt._tiers.remote import RemoteTier  # noqa: E402
 from tieredckpt._tiers.sharded import save_sharded  # noqa: E402
 
 
-def trained_state(n_params: int, steps: int = 3) -> dict:
-    """A GPT-shaped model (~n_params) and its AdamW state after a few real steps."""
+def trained_state(n_params: int, steps: int = 3, dtype: torch.dtype = torch.float32) -> dict:
+    """A GPT-shaped model (~n_params) and its AdamW state after a few real steps, trained
+    in ``dtype`` (bf16 and fp16 train with their optimizer state in the same dtype)."""
     sys.path.insert(0, os.path.join(HERE, "..", "examples"))
     from train_tiny_lm import TinyLM
     torch.manual_seed(0)
     per_layer = 12 * 768 * 768
     layers = max(1, round(n_params / per_layer))
-    model = TinyLM(vocab=96, d=768, layers=layers, heads=12, ctx=64, dropout=0.0)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    model = TinyLM(vocab=96, d=768, layers=layers, heads=12, ctx=64, dropout=0.0).to(dtype)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, eps=1e-8 if dtype == torch.float32 else 1e-4)
     for _ in range(steps):
         x = torch.randint(0, 96, (2, 64))
-        loss = torch.nn.functional.cross_entropy(model(x).reshape(-1, 96), x.reshape(-1))
+        loss = torch.nn.functional.cross_entropy(model(x).float().reshape(-1, 96), x.reshape(-1))
         opt.zero_grad()
         loss.backward()
         opt.step()

@@ -27,7 +27,7 @@ def store(run_dir, remote, **kw):
     return CheckpointStore(run_dir, remote.url, remote_options=remote.options, **kw)
 
 
-@pytest.mark.parametrize("compression", ["zstd-planes", "zstd", None])
+@pytest.mark.parametrize("compression", ["zstd-dtype", "zstd-planes", "zstd", None])
 def test_fresh_machine_restore_brings_back_state_and_side_files(tmp_path, remote, compression):
     run_dir = tmp_path / "run"
     model, opt = trained(steps=2)
@@ -210,7 +210,7 @@ def test_codecs_round_trip_every_length_and_refuse_garbage():
     from tieredckpt._format.codec import decode, encode
 
     @settings(max_examples=80, deadline=None)
-    @given(data=st.binary(max_size=3000), codec=st.sampled_from(["raw", "zstd", "zstd-planes"]))
+    @given(data=st.binary(max_size=3000), codec=st.sampled_from(["raw", "zstd", "zstd-planes", "zstd-dtype"]))
     def round_trip(data, codec):
         raw = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
         assert bytes(decode(encode(raw, codec), codec, len(data), "x")) == data

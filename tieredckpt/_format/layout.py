@@ -33,6 +33,7 @@ UPLOAD_MANIFEST = "upload.json"
 WRITER_LEASE = "writer.json"
 RUN_PREFIX = "run"
 STATUS_FILE = ".uploads.json"
+EVENTS_FILE = ".events.jsonl"  # what each save and upload cost (stats.py); local only
 LOCK_FILE = ".lock"
 LOSS = ".loss.json"
 SAMPLES = ".samples.json"
@@ -40,7 +41,7 @@ STATE = ".state.json"
 ARCHIVE = "archive"
 PROVENANCE = "provenance.json"
 QUARANTINE = "quarantine"
-CODECS = ("raw", "zstd", "zstd-planes")  # how a part of a shard is stored on the remote (codec.py)
+CODECS = ("raw", "zstd", "zstd-planes", "zstd-dtype")  # how a part of a shard is stored on the remote (codec.py)
 # Keys of the state a checkpoint holds, where tieredckpt itself gives the state its shape:
 FLAT_FILE_KEY = "flat_v1"  # a state converted from (or for) a flat step_NNNNNN.bin file (flat.py)
 PARTITIONED_KEY = "flat"  # a rank's slice of the flat parameter space, ZeRO-style (reshard.py)

@@ -33,6 +33,21 @@ def read_header(path: str | os.PathLike) -> dict:
     return parse_header(raw, f.size - 8 - n, str(path))
 
 
+FLOAT_WIDTHS = {"F16": 2, "BF16": 2, "F32": 4, "F64": 8}  # dtypes whose bytes split into planes
+
+
+def float_spans(path: str | os.PathLike) -> list[tuple[int, int, int]]:
+    """(start, end, element width) in the file of every floating-point tensor, in order:
+    what the zstd-dtype codec splits into byte planes. Everything else is bytes."""
+    path = Path(path)
+    with open_checked(path.parent, path.name, 1 << 62, "shard") as f:
+        n = header_length(os.pread(f.fd, 8, 0), f.size, str(path))
+        header = parse_header(os.pread(f.fd, n, 8), f.size - 8 - n, str(path))
+    spans = [(8 + n + e["data_offsets"][0], 8 + n + e["data_offsets"][1], FLOAT_WIDTHS[e["dtype"]])
+             for k, e in header.items() if k != "__metadata__" and e["dtype"] in FLOAT_WIDTHS]
+    return sorted(s for s in spans if s[1] > s[0])
+
+
 def header_length(first8: bytes, size: int, source: str) -> int:
     if len(first8) < 8:
         raise CorruptCheckpointError(f"{source}: {size} bytes is too short to be a shard file")

@@ -3,7 +3,7 @@
 Object stores have no rename, so the commit marker is the upload manifest:
 
     ROOT/step_000100/rank0.bin.p00000 ...   parts of each shard, 64 MiB raw each,
-                                           encoded by the codec (zstd-planes, zstd, raw)
+                                           encoded by the codec (zstd-dtype, zstd-planes, zstd, raw)
     ROOT/step_000100/upload.json            written LAST: without it the step does not exist
     ROOT/latest                             newest uploaded step, written after upload.json
     ROOT/run/.loss.json ...                 the run directory's side files
@@ -37,6 +37,7 @@ from .._format.atomic import atomic_write_bytes
 from .._format.checksum import crc32c_update, crc_hex, map_file
 from .._format.lossfile import merge_loss
 from .._format.manifest import ShardManifest
+from .._format.shardheader import float_spans
 from .._format.uploadmanifest import MAX_UPLOAD_MANIFEST, PartEntry, UploadedFile, UploadManifest
 from ..errors import (
     CheckpointNotFoundError,
@@ -142,7 +143,7 @@ class RemoteTier:
 
     # ---- upload -------------------------------------------------------------------------
 
-    def upload(self, local_dir: Path, manifest: ShardManifest, codec: str = "zstd-planes", level: int = 1,
+    def upload(self, local_dir: Path, manifest: ShardManifest, codec: str = "zstd-dtype", level: int = 1,
                done: dict | None = None, progress: Callable[[int], None] | None = None) -> UploadManifest:
         """Send a committed local checkpoint; upload.json goes last."""
         files = self.send_files(local_dir, manifest, manifest.shards, codec, level, done, progress)
@@ -187,9 +188,10 @@ class RemoteTier:
                               f"on the remote (first: {missing[0]}); sending them again", transient=True)
 
     def _upload_file(self, path, name, size, step_dir, codec, level, done, progress) -> list[PartEntry]:
-        from .._format.codec import encode  # torch: only when something is sent
+        from .._format.codec import encode, runs_in  # torch: only when something is sent
         from .._format.memview import byte_view
         buf = map_file(path, size)
+        spans = float_spans(path) if codec == "zstd-dtype" else []
         parts: list[PartEntry] = []
         in_flight = threading.BoundedSemaphore(self.concurrency + 1)
         errors: list[BaseException] = []
@@ -216,7 +218,8 @@ class RemoteTier:
                 if cached is not None and cached.raw_crc32c == raw_crc and cached.offset == offset:
                     parts.append(cached)  # sent by an earlier attempt
                     continue
-                stored = encode(raw, codec, level)  # overlaps the sends already in flight
+                runs = runs_in(spans, offset, raw.numel()) if codec == "zstd-dtype" else None
+                stored = encode(raw, codec, level, runs)  # overlaps the sends already in flight
                 entry = PartEntry(part, offset, raw.numel(), len(stored), raw_crc, crc_hex(crc32c_update(stored)))
                 parts.append(entry)
                 in_flight.acquire()

@@ -1,0 +1,95 @@
+"""zstd-dtype: byte planes by each tensor's element size, from the shard header."""
+
+import struct
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tieredckpt import CheckpointStore, CorruptCheckpointError
+from tieredckpt._format.codec import decode, encode, runs_in
+from tieredckpt._format.compare import first_difference
+from tieredckpt._format.shardheader import float_spans
+from tieredckpt._tiers.remote import RemoteTier
+
+spans_st = st.lists(st.tuples(st.integers(0, 300), st.integers(0, 5000), st.sampled_from([2, 4, 8])), max_size=6)
+
+
+@settings(max_examples=150, deadline=None)
+@given(layout=spans_st, offset=st.integers(0, 20000), length=st.integers(0, 20000))
+def test_runs_cover_a_part_in_whole_elements_and_keep_each_tensors_alignment(layout, offset, length):
+    spans, pos = [], 0
+    for gap, n, width in layout:  # tensors one after another, as a shard file lays them out
+        start = pos + gap
+        spans.append((start, start + n * width, width))
+        pos = start + n * width
+    runs = runs_in(spans, offset, length)
+    assert sum(n for n, _ in runs) == length
+    at = offset
+    for n, width in runs:
+        assert n > 0 and n % width == 0
+        if width > 1:  # a plane run holds only that width's tensors (and padding between two), whole elements
+            covered = {b for a, z, w in spans if w == width for b in range(a, z)}
+            covered |= {b for (a0, z0, w0), (a1, _, w1) in zip(spans, spans[1:])
+                        if w0 == w1 == width and a1 - z0 <= 64 and (a1 - z0) % width == 0 for b in range(z0, a1)}
+            assert set(range(at, at + n)) <= covered
+            start = max(a for a, _, w in spans if w == width and a <= at)
+            assert (at - start) % width == 0
+        at += n
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data())
+def test_zstd_dtype_round_trips_any_runs_and_any_bytes(data):
+    runs = data.draw(st.lists(st.sampled_from([1, 2, 4, 8]).flatmap(
+        lambda w: st.tuples(st.integers(1, 600).map(lambda k: k * w), st.just(w))), max_size=8))
+    size = sum(n for n, _ in runs)
+    raw_bytes = data.draw(st.binary(min_size=size, max_size=size))
+    raw = torch.frombuffer(bytearray(raw_bytes), dtype=torch.uint8) if size else torch.empty(0, dtype=torch.uint8)
+    stored = encode(raw, "zstd-dtype", 1, runs)
+    assert bytes(decode(stored, "zstd-dtype", size, "x")) == raw_bytes
+
+
+def _frame(values: torch.Tensor) -> tuple[bytes, int]:
+    raw = values.contiguous().view(torch.uint8)
+    return encode(raw, "zstd-dtype", 1, [(raw.numel(), values.element_size())]), raw.numel()
+
+
+def test_damaged_frames_are_refused_naming_the_object():
+    stored, size = _frame(torch.randn(3000).to(torch.bfloat16))
+    count_plus_run = 4 + 9
+    lying_run = stored[:4] + struct.pack("<QB", 6000, 4) + stored[count_plus_run:]   # width changed
+    too_long = stored[:4] + struct.pack("<QB", 6002, 2) + stored[count_plus_run:]    # more than declared
+    many_runs = struct.pack("<I", 10**9) + stored[4:]
+    for bad in (stored[:3], stored[:-1], stored + b"x", lying_run, too_long, many_runs, b"\xff" * 40):
+        with pytest.raises(CorruptCheckpointError, match="obj"):
+            decode(bad, "zstd-dtype", size, "obj")
+    with pytest.raises(CorruptCheckpointError, match="obj"):
+        decode(stored, "zstd-dtype", size + 2, "obj")  # the manifest's raw size is what counts
+
+
+def test_bf16_and_fp16_state_is_split_in_2_byte_planes_and_sends_fewer_bytes_than_4_byte_planes(tmp_path):
+    torch.manual_seed(0)
+    state = {"w": (torch.randn(200_000) * 0.02).to(torch.bfloat16), "h": torch.randn(100_000).half(),
+             "step": torch.tensor(7), "f": torch.randn(50_000)}
+    sent = {}
+    for codec in ("zstd-planes", "zstd-dtype"):
+        url = f"file://{tmp_path}/remote-{codec}"
+        with CheckpointStore(tmp_path / codec, url, compression=codec) as s:
+            s.save(1, state).wait()
+            assert s.wait(uploads=True, timeout=60)
+        r = RemoteTier(url)
+        sent[codec] = sum(r.fs.size(p) for p in r.fs.find(r.path("step_000001")) if ".p0" in p)
+        with CheckpointStore(tmp_path / f"fresh-{codec}", url, read_only=True) as fresh:
+            assert first_difference(state, fresh.restore()) is None
+    assert sent["zstd-dtype"] < 0.9 * sent["zstd-planes"], sent
+
+
+def test_float_spans_come_from_the_shard_header(tmp_path):
+    with CheckpointStore(tmp_path / "run") as s:
+        s.save(1, {"a": torch.zeros(2000, dtype=torch.bfloat16), "i": torch.arange(3000),
+                   "d": torch.ones(900).double()}).wait()
+    shard = next((tmp_path / "run" / "step_000001").glob("*.bin"))
+    widths = sorted((end - start, w) for start, end, w in float_spans(shard))
+    assert widths == [(4000, 2), (7200, 8)]  # the int64 tensor is not a float: plain bytes
