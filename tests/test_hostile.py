@@ -261,7 +261,9 @@ def test_a_step_dir_without_manifest_does_not_block_its_step_number(tmp_path):
 def test_wall_clock_seconds_is_the_runs_training_time_across_resumes(tmp_path, monkeypatch):
     import types
     clock = [1000.0]  # the store's monotonic clock, under the test's control
-    monkeypatch.setattr("tieredckpt._loop.store.time", types.SimpleNamespace(monotonic=lambda: clock[0]))
+    import time as real
+    monkeypatch.setattr("tieredckpt._loop.store.time", types.SimpleNamespace(
+        monotonic=lambda: clock[0], perf_counter=real.perf_counter, time=real.time))
     with CheckpointStore(tmp_path / "run") as store:
         clock[0] += 7.0  # seven seconds of training
         store.save(1, state(1)).wait()

@@ -63,6 +63,8 @@ def _parser() -> argparse.ArgumentParser:
     ls.add_argument("run_dir")
     ls.add_argument("--no-verify", action="store_true", help="skip the crc32c check of every shard")
     ls.add_argument("--limit", type=int, default=50, help="show the newest N steps (default 50; 0: all)")
+    ls.add_argument("--stats", action="store_true",
+                    help="also what checkpoints cost the loop: blocked share, save phases, upload lag")
     _remote_args(ls, "the run's remote (default: the one its store last used)")
     ls.set_defaults(func=cmd_ls)
 
@@ -75,7 +77,7 @@ def _parser() -> argparse.ArgumentParser:
 
     push = sub.add_parser("push", help="upload every local checkpoint the remote does not hold yet")
     push.add_argument("run_dir")
-    push.add_argument("--compression", default="zstd-planes", choices=["zstd-planes", "zstd", "raw"])
+    push.add_argument("--compression", default="zstd-dtype", choices=["zstd-dtype", "zstd-planes", "zstd", "raw"])
     _remote_args(push, "the remote (default: the one the run's store last used)")
     push.set_defaults(func=cmd_push)
 
@@ -191,6 +193,8 @@ def cmd_ls(args) -> int:
         print(f"... and {len(steps) - len(shown)} older step(s) (--limit 0 lists all)")
     if remote is not None:
         problems += _ls_lag(remote, local_steps, recorded)
+    if args.stats:
+        _ls_stats(tier.root / layout.EVENTS_FILE)
     stale = [e.name for e in tier.root.iterdir() if layout.scratch_owner_pid(e.name) is not None]
     if stale:
         print(f"({len(stale)} leftover temp entries from an interrupted save; removed at the next save)")
@@ -239,6 +243,30 @@ def _ls_row(tier, remote, step, local: bool, on_remote: bool, recorded: dict, ar
     age, size, files = ((_age(manifest.created_unix), _size(manifest.total_size), len(manifest.shards))
                         if manifest is not None else ("?", "?", "?"))
     return f"{step:>10}  {age:>9}  {size:>10}  {files:>5}  {where:<12}  {status}", bad
+
+
+def _ls_stats(path) -> None:
+    """The summary of the events file: what saves blocked and took, what uploads lagged."""
+    from ._loop.stats import read_events, summarize
+    saves, uploads = read_events(path)
+    if not saves and not uploads:
+        print(f"stats: {path} holds no records yet (written by a store that saves)")
+        return
+    s = summarize(saves, uploads)
+    share = saves[-1].get("blocked_share") if saves else None
+
+    def secs(key):
+        f = s.get(key)
+        return "-" if not f else f"median {f['median']:.3f} s, max {f['max']:.3f} s"
+    print(f"stats ({len(saves)} saves, {len(uploads)} uploads, from {path.name}):")
+    if isinstance(share, (int, float)):
+        print(f"  loop blocked by save(): {share:.2%} of wall-clock time in the latest process")
+    for key, label in (("blocked", "blocked per save"), ("staging", "staging copy"), ("write", "write"),
+                       ("fsync", "fsync"), ("commit", "commit"), ("upload", "upload"),
+                       ("lag", "upload lag (commit -> remote)")):
+        print(f"  {label + ':':<31} {secs(key)}")
+    if s.get("save_bytes") and s.get("bytes_sent") and s["save_bytes"]["median"]:
+        print(f"  sent per save: median {s['bytes_sent']['median'] / s['save_bytes']['median']:.3f}x its size")
 
 
 def _ls_lag(remote, local_steps: set[int], recorded: dict) -> int:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Iterator
 
 from .._format import layout
+from .phases import phase
 
 
 def fsync_dir(path: str | os.PathLike) -> None:
@@ -132,11 +133,12 @@ def commit_dir(tmp: Path, final: Path) -> None:
     name survives a power cut. Before the rename the checkpoint does not exist;
     after it, it is complete.
     """
-    fsync_dir(tmp)
-    if final.exists():
-        raise FileExistsError(errno.EEXIST, "already exists", str(final))
-    os.rename(tmp, final)
-    fsync_dir(final.parent)
+    with phase("commit"):
+        fsync_dir(tmp)
+        if final.exists():
+            raise FileExistsError(errno.EEXIST, "already exists", str(final))
+        os.rename(tmp, final)
+        fsync_dir(final.parent)
 
 
 def remove_dir(path: Path) -> None:

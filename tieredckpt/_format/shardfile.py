@@ -30,6 +30,7 @@ from . import tree
 from .atomic import write_all
 from .checksum import CHUNK, Digest, StreamDigest, digest_buffer
 from .memview import byte_view
+from .phases import phase
 from .safefile import open_checked
 from .shardheader import header_length, parse_header
 
@@ -69,7 +70,8 @@ def write_flattened(path, skeleton, tensors: list[torch.Tensor], names: list[str
         _emit(fd, digest, memoryview(header_bytes))
         for i in order:
             _emit(fd, digest, arrays[i])
-        os.fsync(fd)  # durable before anyone may name this file in a manifest
+        with phase("fsync"):
+            os.fsync(fd)  # durable before anyone may name this file in a manifest
     except BaseException:
         digest.abort()
         raise

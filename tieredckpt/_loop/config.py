@@ -5,10 +5,11 @@
     remote = "s3://my-bucket/runs/lm"
     every = 100
     keep_local = 3
-    compression = "zstd-planes"          # or "zstd", or "none"
+    compression = "zstd-dtype"           # or "zstd-planes", "zstd", or "none"
     compression_level = 1
     max_pending_uploads = 2               # with uploads = "all"
     uploads = "newest"                    # or "all"
+    stall_budget = 0.02                   # warn when save() blocks the loop more than 2% of the time
     keep_remote = { last = 5, every = 10000 }
     [checkpoint.remote_options]
     endpoint_url = "${S3_ENDPOINT}"
@@ -39,10 +40,11 @@ class StoreConfig:
     every: int = 100
     keep_local: int = 3
     keep_remote: Policy | None = None
-    compression: str | None = "zstd-planes"
+    compression: str | None = "zstd-dtype"
     compression_level: int = 1
     max_pending_uploads: int | None = 2
     uploads: str = "newest"
+    stall_budget: float = 0.02
 
     def store_kwargs(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}

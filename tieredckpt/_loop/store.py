@@ -47,6 +47,7 @@ from .._format import layout
 from .._format.codec import MAX_LEVEL
 from .._format.layout import CODECS
 from .._format.manifest import ShardManifest
+from .._format.phases import collecting
 from .._format.shardfile import VERIFY_MODES
 from .._tiers.lease import WriterLease
 from .._tiers.local import LocalTier
@@ -70,6 +71,7 @@ from ..errors import (
 from .runlog import RunLog, fork_run
 from .signals import Requests, handle_signals
 from .staging import Stager
+from .stats import Stats
 
 UPLOAD_GROUP_TIMEOUT = 24 * 3600.0  # ranks wait for each other's uploads through long outages
 
@@ -113,17 +115,19 @@ class SaveHandle:
 class CheckpointStore(AbstractContextManager):
     def __init__(self, local: str | os.PathLike, remote: str | None = None, *, keep_local: int = 3,
                  every: int = 100, verify: str = "crc", remote_options: dict | None = None,
-                 keep_remote: Policy | None = None, compression: str | None = "zstd-planes",
+                 keep_remote: Policy | None = None, compression: str | None = "zstd-dtype",
                  compression_level: int = 1, uploads: str = "newest", max_pending_uploads: int | None = 2,
                  upload_backoff: tuple[float, ...] = (0.5, 10.0, 60.0), request_timeout: float = REQUEST_TIMEOUT,
                  audit_interval: float = 60.0,
                  on_upload_error: Callable[[int | None, Exception], None] | None = None,
                  upload_part_size: int = PART_SIZE, close_timeout: float | None = 600.0,
                  read_only: bool = False, takeover: bool = False, remote_fs=None,
-                 distributed: bool | None = None) -> None:
+                 distributed: bool | None = None, stall_budget: float = 0.02,
+                 on_stats: Callable[[dict], None] | None = None) -> None:
         """``local``: the run directory. ``remote``: any fsspec URL (s3://bucket/prefix,
         file:///mnt/nas/run, memory://...), with ``remote_options`` passed to fsspec/s3fs.
-        ``compression``: "zstd-planes" (float-aware, default), "zstd" or None for uploads.
+        ``compression``: "zstd-dtype" (float-aware by each tensor's dtype, default),
+        "zstd-planes" (fp32 planes for every byte, the earlier default), "zstd" or None for uploads.
         ``uploads``: "newest" (default: when uploads lag, only the newest waiting step is sent;
         older waiting ones are superseded, KeepEvery milestones of ``keep_remote`` excepted) or
         "all" (every step; ``save`` waits while more than ``max_pending_uploads`` are waiting).
@@ -137,7 +141,10 @@ class CheckpointStore(AbstractContextManager):
         ``takeover``: become the remote's writer even if another writer's lease has not lapsed.
         ``distributed``: one shard per rank of the torch.distributed world (default: when
         a process group of more than one rank is initialized); every rank must create
-        its store at the same point."""
+        its store at the same point.
+        ``stall_budget``: the share of wall-clock time ``save()`` may block the loop before a
+        warning says so (default 2%). ``on_stats(record)``: called with every save's and
+        upload's cost record (see ``stats()`` and RUN_DIR/.events.jsonl)."""
         codec = compression or "raw"
         if codec not in CODECS:
             raise ValueError(f"compression must be one of {CODECS[1:]} or None, got {compression!r}")
@@ -151,6 +158,8 @@ class CheckpointStore(AbstractContextManager):
             raise ValueError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
         if uploads not in UPLOAD_MODES:
             raise ValueError(f"uploads must be one of {UPLOAD_MODES}, got {uploads!r}")
+        if not isinstance(stall_budget, (int, float)) or not 0 < stall_budget <= 1:
+            raise ValueError(f"stall_budget must be a share of time in (0, 1], got {stall_budget!r}")
         self.read_only = read_only
         self.local = LocalTier(local, create=not read_only, must_exist=not (read_only and remote))
         self.run = RunLog(local, create=not read_only)  # side files: written by rank 0 only
@@ -168,6 +177,8 @@ class CheckpointStore(AbstractContextManager):
         self.verify = verify
         self.close_timeout = close_timeout
         self.requests = Requests()
+        self._stats = Stats(self.local.root / layout.EVENTS_FILE if self.rank == 0 and not read_only else None,
+                            float(stall_budget), on_stats)
         self._stager = Stager()
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tieredckpt-writer")
         self._pending: SaveHandle | None = None
@@ -189,7 +200,7 @@ class CheckpointStore(AbstractContextManager):
                         max_pending=max_pending_uploads, backoff=tuple(upload_backoff[:2]),
                         slow_retry=upload_backoff[2] if len(upload_backoff) > 2 else 60.0,
                         audit_interval=audit_interval, keep_remote=keep_remote,
-                        lease=lease, on_uploaded=lambda step: self._rotate(), on_error=on_upload_error,
+                        lease=lease, on_uploaded=self._on_uploaded, on_error=on_upload_error,
                         ranks=RankGroup(timeout_seconds=UPLOAD_GROUP_TIMEOUT) if self.ranks is not None else None)
         except BaseException:
             self._release()
@@ -274,6 +285,7 @@ class CheckpointStore(AbstractContextManager):
         With many ranks every rank calls it for the same step with its own shard;
         ``param_span`` = (offset, numel) of this rank's slice of the flat parameter
         space (default: shards laid end to end in rank order)."""
+        entered = time.monotonic()
         self._check_writable()
         self._finish_pending()  # back-pressure, and the previous failure surfaces here
         if self.uploader is not None:
@@ -282,26 +294,35 @@ class CheckpointStore(AbstractContextManager):
             raise CheckpointExistsError(f"{self.local.step_path(step)}: step {step} is already committed")
         user = check_user_value(user)  # a bad one is refused here, not in the background
         self.requests.clear_save()  # a signal from now on asks for another save
+        staging = time.monotonic()
         staged = self._stager.stage(state)
-        future = self._writer.submit(self._write, step, staged, user, param_span)
+        now = time.monotonic()
+        cost = {"blocked_s": now - entered, "staging_s": now - staging}
+        future = self._writer.submit(self._write, step, staged, user, param_span, cost)
         self._pending = SaveHandle(step, future)
+        self._stats.blocked(cost["blocked_s"])
         return self._pending
 
-    def _write(self, step: int, staged, user, param_span) -> ShardManifest:
+    def _write(self, step: int, staged, user, param_span, cost: dict) -> ShardManifest:
         # Runs on the writer thread. Order: loss history durable up to this step ->
         # checkpoint committed atomically (on every rank: ranks.commit_rank) ->
         # latest moved -> queued for upload -> old steps rotated out.
         self.run.sync()
         self.local.clean_stale_once()
         wall = self._wall_base + time.monotonic() - self._wall_start  # the run's training time so far
-        if self.ranks is None:
-            self.local.clear_leftover(step)  # a step dir without a manifest is moved aside, not in our way
-            manifest = save_sharded([staged], self.local.step_path(step), step, user=user, wall_clock_seconds=wall)
-        else:
-            manifest = commit_rank(self.local.root, step, staged, self._commit_ranks, param_span=param_span,
-                                   user=user, wall_clock_seconds=wall)
+        started = time.perf_counter()
+        with collecting() as spent:  # fsync and commit seconds, measured where they happen
+            if self.ranks is None:
+                self.local.clear_leftover(step)  # a step dir without a manifest is moved aside, not in our way
+                manifest = save_sharded([staged], self.local.step_path(step), step, user=user,
+                                        wall_clock_seconds=wall)
+            else:
+                manifest = commit_rank(self.local.root, step, staged, self._commit_ranks, param_span=param_span,
+                                       user=user, wall_clock_seconds=wall)
         # Committed. What follows can only warn: the checkpoint is safe whatever happens next.
         try:
+            self._stats.saved(step, cost["blocked_s"], cost["staging_s"], time.perf_counter() - started, spent,
+                              manifest.shards[self.rank].size if self.ranks is not None else manifest.total_size)
             if self._node_leader:
                 self.local.update_latest()
             if self.uploader is not None:
@@ -310,6 +331,19 @@ class CheckpointStore(AbstractContextManager):
         except Exception as exc:  # noqa: BLE001
             log.warning("step %d is committed, but the work after it failed: %s", step, exc)
         return manifest
+
+    def _on_uploaded(self, step: int) -> None:
+        """The uploader's word that ``step`` is on the remote (-1: it read what the remote holds)."""
+        if step >= 0:
+            info = self.uploader.status().get(step, {}) if self.uploader is not None else {}
+            if "upload_s" in info and self.uploader is not None and self.uploader.leader:
+                try:
+                    created = self.local.manifest(step).created_unix
+                except (OSError, ValueError):  # rotated out meanwhile: no lag to tell
+                    created = 0.0
+                self._stats.uploaded(step, info["upload_s"], max(0.0, time.time() - created) if created else 0.0,
+                                     info.get("bytes_sent") or 0)
+        self._rotate()
 
     def _rotate(self) -> None:
         """Keep the last ``keep_local`` steps, never evicting one the remote does not hold
@@ -506,6 +540,13 @@ class CheckpointStore(AbstractContextManager):
             out.append(CheckpointInfo(step, self.local.step_path(step) if step in local else None, m.total_size,
                                       m.created_unix, m.world_size, step in local, step in remote, upload))
         return out
+
+    def stats(self) -> dict:
+        """What checkpoints have cost this process's loop: ``blocked_share`` (time ``save()``
+        blocked over wall-clock time since the store opened), and medians, maxima and totals
+        of each save's blocked, staging, write, fsync and commit seconds and bytes, and of each
+        upload's seconds, lag (local commit to remote commit) and bytes sent."""
+        return self._stats.summary()
 
     def upload_status(self) -> dict:
         """How far the remote lags: newest local and uploaded steps, what waits, the last error."""

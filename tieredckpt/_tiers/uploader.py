@@ -59,7 +59,7 @@ MODES = ("newest", "all")
 
 
 class Uploader:
-    def __init__(self, local: LocalTier, remote: RemoteTier, *, codec: str = "zstd-planes", level: int = 1,
+    def __init__(self, local: LocalTier, remote: RemoteTier, *, codec: str = "zstd-dtype", level: int = 1,
                  mode: str = "newest", max_pending: int | None = 2, backoff: tuple[float, float] = (0.5, 10.0),
                  slow_retry: float = 60.0, audit_interval: float = 60.0, keep_remote: Policy | None = None,
                  lease: WriterLease | None = None, on_uploaded: Callable[[int], None] | None = None,
@@ -70,6 +70,9 @@ class Uploader:
         self.local, self.remote = local, remote
         self.codec, self.level, self.mode = codec, level, mode
         self.max_pending, self.backoff, self.slow_retry = max_pending, backoff, slow_retry
+        self._round_started = 0.0  # when the current (or last) attempt began, monotonic
+        self._finishing = False  # an upload's aftermath (rotation, its record) is running
+        self._sent: dict[int, int] = {}  # bytes the parts of a step took on the remote (leader)
         self.audit_interval = audit_interval
         self.keep_remote, self.lease = keep_remote, lease
         self.on_uploaded, self.on_error, self.progress = on_uploaded, on_error, progress
@@ -172,8 +175,8 @@ class Uploader:
         with self._cond:
             self._kick = True  # a retry waiting out its backoff goes now
             self._cond.notify_all()
-            while (self._pending or self._current is not None or (unknown and not self._known)) \
-                    and self._thread.is_alive():
+            while (self._pending or self._current is not None or self._finishing
+                   or (unknown and not self._known)) and self._thread.is_alive():
                 if any(when >= start for _, when in self._failures.values()):
                     break  # failing for good right now: waiting on would not help
                 remaining = None if deadline is None else deadline - time.monotonic()
@@ -235,6 +238,7 @@ class Uploader:
         """Learn from the remote what is uploaded; queue the rest. Retries until it can."""
         state = None
         while state is None and not self._stop.is_set():
+            self._round_started = time.monotonic()
             local = sorted(set().union(*self._gather(self.local.steps())))
             error = None
             if self.leader:
@@ -300,6 +304,7 @@ class Uploader:
             return owed[0] if self._pinned_turn else newest
 
     def _round(self, proposed: int) -> None:
+        self._round_started = time.monotonic()
         lost, lease_error = [], None
         if self.leader:
             try:
@@ -332,9 +337,10 @@ class Uploader:
         else:
             if self.leader and self.lease is not None:
                 self._note_sending(step)
+            started = time.monotonic()
             error = self._attempt(step)
         if error is None:
-            self._uploaded(step)
+            self._uploaded(step, time.monotonic() - started)
             return
         with self._cond:
             self._pending.add(step)
@@ -366,6 +372,7 @@ class Uploader:
         if self.leader:
             everyone = [UploadedFile(f["path"], f["size"], [PartEntry(**p) for p in f["parts"]])
                         for res in results for f in res["files"]]
+            self._sent[step] = sum(p.stored_size for f in everyone for p in f.parts)
             try:
                 self._commit(step, everyone)
             except Exception as exc:  # noqa: BLE001
@@ -388,10 +395,11 @@ class Uploader:
         self.remote.commit_upload(self.local.manifest(step), self.codec, files, self._done.get(step))
         self.remote.write_latest(max(self.uploaded | {step}))
 
-    def _uploaded(self, step: int) -> None:
+    def _uploaded(self, step: int, seconds: float) -> None:
         with self._cond:  # _current stays set until retention has had its turn: drain() waits for it
             self.uploaded.add(step)
             self._done.pop(step, None)
+            sent = self._sent.pop(step, None)
             self._confirmed = (max(self.uploaded), time.monotonic())
             self._deletions |= {s for s in self._garbage if s < step}
             self._garbage -= self._deletions
@@ -399,15 +407,22 @@ class Uploader:
             self._failed_cycle.clear()
             self._failures.pop(step, None)
             self._set(step, "uploaded")
+            self._status[step].update(upload_s=round(seconds, 6), bytes_sent=sent)  # the last attempt's
         if self.leader:
             self._apply_retention()
             self._delete_pending()
-        with self._cond:
-            self._current = None
-            self._cond.notify_all()
-        self._write_status()
-        if self.on_uploaded:
-            self.on_uploaded(step)
+        with self._cond:  # evictable from now on; drain() still waits for the callback below
+            self._current, self._finishing = None, True
+        try:
+            self._write_status()
+            if self.on_uploaded:
+                self.on_uploaded(step)  # rotation and the upload's cost record
+        except Exception as exc:  # noqa: BLE001 - the step is uploaded whatever its aftermath
+            log.warning("step %d is uploaded, but the work after it failed: %s", step, exc)
+        finally:
+            with self._cond:
+                self._finishing = False
+                self._cond.notify_all()
 
     def _supersede_below(self, step: int) -> None:
         if self.mode != "newest":
@@ -528,7 +543,9 @@ class Uploader:
             if step is not None:
                 self._set(step, "retrying" if transient else "failed", message)
             if not transient:
-                self._failures[-1 if step is None else step] = (message, time.monotonic())
+                # stamped with when the failing attempt began: drain() gives up only on an attempt
+                # it saw start (one in flight when it was called may have run into an old fault)
+                self._failures[-1 if step is None else step] = (message, self._round_started)
         if transient:
             log.warning("upload%s: %s; retrying in %.1f s", f" of step {step}" if step is not None else "",
                         message, self._delay())
