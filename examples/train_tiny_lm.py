@@ -127,6 +127,11 @@ def main() -> int:
         store.wait()
         print(f"done at step {step}, loss {loss:.4f}. checkpoints in {store.local.root.resolve()}: "
               f"{store.local.steps()} (latest -> {store.local.latest_step()})", flush=True)
+        cost = store.stats()
+        if cost["saves"]:
+            print(f"checkpointing blocked the loop {cost['blocked_share']:.2%} of the time "
+                  f"({cost['saves']} saves, {cost['blocked_s']:.3f} s in save(); tieredckpt ls --stats for more)",
+                  flush=True)
         if store.remote is not None and not stop:
             print(f"uploading to {store.remote.display_url} ...", flush=True)
             store.wait(uploads=True)
