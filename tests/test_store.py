@@ -151,14 +151,14 @@ def test_signals_set_flags_and_combine_with_cadence(run_dir):
 
 def test_a_signal_during_a_save_is_not_lost(run_dir, monkeypatch):
     with CheckpointStore(run_dir, every=0) as store, store.handle_signals():
-        real_stage = store._stager.stage
+        real_stage = store._stager.stage_split
 
-        def stage_and_get_signalled(state):
-            staged = real_stage(state)
+        def stage_and_get_signalled(state, defer):
+            staged = real_stage(state, defer)
             os.kill(os.getpid(), signal.SIGUSR1)  # arrives while this save is in progress
             return staged
 
-        monkeypatch.setattr(store._stager, "stage", stage_and_get_signalled)
+        monkeypatch.setattr(store._stager, "stage_split", stage_and_get_signalled)
         store.save(1, {"s": 1})
         assert store.should_save(2)  # still pending for the next boundary
 

@@ -261,10 +261,12 @@ def _ls_stats(path) -> None:
     print(f"stats ({len(saves)} saves, {len(uploads)} uploads, from {path.name}):")
     if isinstance(share, (int, float)):
         print(f"  loop blocked by save(): {share:.2%} of wall-clock time in the latest process")
-    for key, label in (("blocked", "blocked per save"), ("staging", "staging copy"), ("write", "write"),
+    for key, label in (("blocked", "blocked per save"), ("staging", "staging copy"),
+                       ("deferred_copy", "background copy (overlap)"), ("write", "write"),
                        ("fsync", "fsync"), ("commit", "commit"), ("upload", "upload"),
                        ("lag", "upload lag (commit -> remote)")):
-        print(f"  {label + ':':<31} {secs(key)}")
+        if key != "deferred_copy" or (s.get(key) and s[key]["max"] > 0):
+            print(f"  {label + ':':<31} {secs(key)}")
     if s.get("save_bytes") and s.get("bytes_sent") and s["save_bytes"]["median"]:
         print(f"  sent per save: median {s['bytes_sent']['median'] / s['save_bytes']['median']:.3f}x its size")
 

@@ -8,12 +8,22 @@ that is already ours (see shared/benchmarking.md).
 
 One set of buffers exists; the store never stages again until the previous
 write has finished with them (back-pressure: at most one staged copy).
+
+Overlapped staging (``save(..., overlap=True)``) splits the copy: what an
+optimizer in the state owns -- its parameters and its state tensors, which only
+its ``step()`` changes -- is copied on the writer thread while the loop runs the
+next forward and backward; everything else (buffers such as BatchNorm's running
+statistics, which a forward pass changes, RNG state, plain values) is copied at
+once. A step pre-hook on each such optimizer holds its next ``step()`` until the
+deferred copy is done, so the checkpoint is exactly the state at the saved step.
 """
 
 from __future__ import annotations
 
+import threading
+import weakref
 from collections import OrderedDict
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -26,21 +36,17 @@ class Stager:
         self._buffers: list[torch.Tensor] = []
         self._pin = torch.cuda.is_available()
 
-    def stage(self, state: Any) -> Staged:
-        """Snapshot ``state`` (plain values by value, tensors into the reused buffers)."""
+    def stage_split(self, state: Any, defer: set[int]) -> tuple[Staged, Callable[[], None]]:
+        """Snapshot ``state`` (plain values by value, tensors into the reused buffers): every
+        tensor whose storage is not in ``defer`` (data pointers) now; return the snapshot
+        and the function that copies the deferred rest into it."""
         skeleton, tensors, names = tree.flatten(to_state_dict(state))
-        staged = []
-        any_cuda = False
-        with torch.no_grad():
-            for i, t in enumerate(tensors):
-                buf = self._buffer(i, t)
-                buf.copy_(t.detach(), non_blocking=t.device.type == "cuda")
-                any_cuda |= t.device.type == "cuda"
-                staged.append(buf)
-        if any_cuda:
-            torch.cuda.synchronize()  # the snapshot is complete before the loop goes on
+        buffers = [self._buffer(i, t) for i, t in enumerate(tensors)]
         del self._buffers[len(tensors):]
-        return Staged(skeleton, staged, names)
+        later = [i for i, t in enumerate(tensors) if t.untyped_storage().data_ptr() in defer]
+        now = sorted(set(range(len(tensors))) - set(later))
+        _copy(buffers, tensors, now)
+        return Staged(skeleton, buffers, names), lambda: _copy(buffers, tensors, later)
 
     def _buffer(self, i: int, t: torch.Tensor) -> torch.Tensor:
         if i < len(self._buffers):
@@ -54,6 +60,71 @@ class Stager:
         else:
             self._buffers.append(buf)
         return buf
+
+
+def _copy(buffers: list[torch.Tensor], tensors: list[torch.Tensor], which: list[int]) -> None:
+    any_cuda = False
+    with torch.no_grad():
+        for i in which:
+            buffers[i].copy_(tensors[i].detach(), non_blocking=tensors[i].device.type == "cuda")
+            any_cuda |= tensors[i].device.type == "cuda"
+    if any_cuda:
+        torch.cuda.synchronize()  # the snapshot is complete before anyone may change the sources
+
+
+class StepHold:
+    """Holds ``step()`` of the optimizers found in saved states while a deferred copy runs.
+
+    One pre-hook per optimizer, registered on its first overlapped save and kept until
+    ``release_all`` (removing a hook from another thread could race ``step()`` iterating
+    them). Outside a deferred copy the hook costs one Event check."""
+
+    def __init__(self) -> None:
+        self._idle = threading.Event()
+        self._idle.set()
+        self._hooks: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
+
+    def owned(self, state: Any) -> set[int]:
+        """Storage pointers of what the optimizers in ``state`` own (parameters, their state);
+        each such optimizer gets its hook."""
+        owned: set[int] = set()
+        for opt in _optimizers(state):
+            if opt not in self._hooks:
+                self._hooks[opt] = opt.register_step_pre_hook(self._hold)
+            for group in opt.param_groups:
+                owned |= {p.untyped_storage().data_ptr() for p in group["params"]}
+            for per_param in opt.state.values():
+                owned |= {v.untyped_storage().data_ptr() for v in per_param.values() if isinstance(v, torch.Tensor)}
+        return owned
+
+    def hold(self) -> None:
+        self._idle.clear()
+
+    def release(self) -> None:
+        self._idle.set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self._idle.wait(timeout)
+
+    def release_all(self) -> None:
+        self._idle.set()
+        for handle in list(self._hooks.values()):
+            handle.remove()
+        self._hooks = weakref.WeakKeyDictionary()
+
+    def _hold(self, optimizer, args, kwargs) -> None:
+        self._idle.wait()
+
+
+def _optimizers(state: Any) -> list:
+    """The optimizer objects a state holds (before state_dict()), found where a state nests."""
+    if isinstance(state, torch.optim.Optimizer):
+        return [state]
+    if isinstance(state, dict):
+        return [o for v in state.values() for o in _optimizers(v)]
+    if isinstance(state, (list, tuple)):
+        return [o for v in state for o in _optimizers(v)]
+    return []
 
 
 def to_state_dict(state: Any) -> Any:

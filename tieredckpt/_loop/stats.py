@@ -3,8 +3,8 @@ share of wall-clock time the loop spent blocked in ``save()``.
 
 A save's record is made when it commits, an upload's when the remote holds it:
 
-    {"event": "save", "step", "unix", "blocked_s", "staging_s", "write_s", "fsync_s",
-     "commit_s", "bytes", "blocked_share"}
+    {"event": "save", "step", "unix", "blocked_s", "staging_s", "deferred_copy_s", "write_s",
+     "fsync_s", "commit_s", "bytes", "blocked_share"}
     {"event": "upload", "step", "unix", "upload_s", "lag_s", "bytes_sent"}
 
 ``blocked_s`` is the whole time ``save()`` held the loop (back-pressure, the copy into
@@ -60,13 +60,14 @@ class Stats:
                           "save less often, or see store.stats() for where the time goes", RuntimeWarning,
                           stacklevel=3)
 
-    def saved(self, step: int, blocked_s: float, staging_s: float, total_s: float, spent: dict,
-              nbytes: int) -> None:
+    def saved(self, step: int, cost: dict, total_s: float, spent: dict, nbytes: int) -> None:
+        """``cost``: blocked_s and staging_s (the loop's thread), deferred_s (overlap's copy)."""
         fsync, commit = spent.get("fsync", 0.0), spent.get("commit", 0.0)
         with self._lock:
             share = self._share()
         self._emit(self._saves, {"event": "save", "step": step, "unix": round(time.time(), 3),
-                                 "blocked_s": blocked_s, "staging_s": staging_s,
+                                 "blocked_s": cost["blocked_s"], "staging_s": cost["staging_s"],
+                                 "deferred_copy_s": cost.get("deferred_s", 0.0),
                                  "write_s": max(0.0, total_s - fsync - commit), "fsync_s": fsync,
                                  "commit_s": commit, "bytes": nbytes, "blocked_share": share})
 
@@ -123,7 +124,7 @@ def summarize(saves: list[dict], uploads: list[dict]) -> dict:
             return None
         return {"median": statistics.median(values), "max": max(values), "total": sum(values)}
     out = {"saves": len(saves), "uploads": len(uploads)}
-    for key in ("blocked_s", "staging_s", "write_s", "fsync_s", "commit_s", "bytes"):
+    for key in ("blocked_s", "staging_s", "deferred_copy_s", "write_s", "fsync_s", "commit_s", "bytes"):
         out[key.replace("_s", "") if key != "bytes" else "save_bytes"] = figure(saves, key)
     for key in ("upload_s", "lag_s", "bytes_sent"):
         out[key.replace("_s", "") if key != "bytes_sent" else "bytes_sent"] = figure(uploads, key)

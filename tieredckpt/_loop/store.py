@@ -70,7 +70,7 @@ from ..errors import (
 )
 from .runlog import RunLog, fork_run
 from .signals import Requests, handle_signals
-from .staging import Stager
+from .staging import Stager, StepHold
 from .stats import Stats
 
 UPLOAD_GROUP_TIMEOUT = 24 * 3600.0  # ranks wait for each other's uploads through long outages
@@ -92,12 +92,18 @@ class CheckpointInfo:
 class SaveHandle:
     """The pending background write of one save."""
 
-    def __init__(self, step: int, future: Future) -> None:
+    def __init__(self, step: int, future: Future, hold=None) -> None:
         self.step = step
         self._future = future
+        self._hold = hold
 
     def done(self) -> bool:
         return self._future.done()
+
+    def wait_copied(self, timeout: float | None = None) -> bool:
+        """With ``overlap=True``: block until the background copy of the state is done (the
+        live tensors may change from then on). True once it is."""
+        return self._hold.wait(timeout) if self._hold is not None else True
 
     def wait(self, timeout: float | None = None) -> ShardManifest:
         """Block until committed; raise BackgroundSaveError if the write failed."""
@@ -123,7 +129,7 @@ class CheckpointStore(AbstractContextManager):
                  upload_part_size: int = PART_SIZE, close_timeout: float | None = 600.0,
                  read_only: bool = False, takeover: bool = False, remote_fs=None,
                  distributed: bool | None = None, stall_budget: float = 0.02,
-                 on_stats: Callable[[dict], None] | None = None) -> None:
+                 on_stats: Callable[[dict], None] | None = None, overlap: bool = False) -> None:
         """``local``: the run directory. ``remote``: any fsspec URL (s3://bucket/prefix,
         file:///mnt/nas/run, memory://...), with ``remote_options`` passed to fsspec/s3fs.
         ``compression``: "zstd-dtype" (float-aware by each tensor's dtype, default),
@@ -144,7 +150,8 @@ class CheckpointStore(AbstractContextManager):
         its store at the same point.
         ``stall_budget``: the share of wall-clock time ``save()`` may block the loop before a
         warning says so (default 2%). ``on_stats(record)``: called with every save's and
-        upload's cost record (see ``stats()`` and RUN_DIR/.events.jsonl)."""
+        upload's cost record (see ``stats()`` and RUN_DIR/.events.jsonl).
+        ``overlap``: the default of ``save(..., overlap=)`` (see there)."""
         codec = compression or "raw"
         if codec not in CODECS:
             raise ValueError(f"compression must be one of {CODECS[1:]} or None, got {compression!r}")
@@ -180,6 +187,8 @@ class CheckpointStore(AbstractContextManager):
         self._stats = Stats(self.local.root / layout.EVENTS_FILE if self.rank == 0 and not read_only else None,
                             float(stall_budget), on_stats)
         self._stager = Stager()
+        self._hold = StepHold()
+        self.overlap = overlap
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tieredckpt-writer")
         self._pending: SaveHandle | None = None
         self._closed = False
@@ -279,12 +288,19 @@ class CheckpointStore(AbstractContextManager):
     # ---- saving -----------------------------------------------------------------------
 
     def save(self, step: int, state: Any, *, user: dict | None = None,
-             param_span: tuple[int, int] | None = None) -> SaveHandle:
+             param_span: tuple[int, int] | None = None, overlap: bool | None = None) -> SaveHandle:
         """Snapshot ``state`` and write it in the background; returns at once after the copy.
 
         With many ranks every rank calls it for the same step with its own shard;
         ``param_span`` = (offset, numel) of this rank's slice of the flat parameter
-        space (default: shards laid end to end in rank order)."""
+        space (default: shards laid end to end in rank order).
+
+        ``overlap=True``: what the ``torch.optim.Optimizer`` objects in ``state`` own
+        (their parameters and state) is copied in the background, and their next
+        ``step()`` waits until it is; everything else is copied before this returns.
+        Pass the optimizer object itself (``{"optim": opt}``), not ``opt.state_dict()``.
+        Code other than ``step()`` that changes parameters in place before then must
+        call ``handle.wait_copied()`` first."""
         entered = time.monotonic()
         self._check_writable()
         self._finish_pending()  # back-pressure, and the previous failure surfaces here
@@ -295,20 +311,35 @@ class CheckpointStore(AbstractContextManager):
         user = check_user_value(user)  # a bad one is refused here, not in the background
         self.requests.clear_save()  # a signal from now on asks for another save
         staging = time.monotonic()
-        staged = self._stager.stage(state)
+        defer = self._hold.owned(state) if (self.overlap if overlap is None else overlap) else set()
+        staged, rest = self._stager.stage_split(state, defer)
         now = time.monotonic()
         cost = {"blocked_s": now - entered, "staging_s": now - staging}
-        future = self._writer.submit(self._write, step, staged, user, param_span, cost)
-        self._pending = SaveHandle(step, future)
+        if defer:
+            self._hold.hold()  # released on the writer thread once the rest is copied
+        try:
+            future = self._writer.submit(self._write, step, staged, user, param_span, cost, rest if defer else None)
+        except BaseException:
+            self._hold.release()
+            raise
+        self._pending = SaveHandle(step, future, self._hold)
         self._stats.blocked(cost["blocked_s"])
         return self._pending
 
-    def _write(self, step: int, staged, user, param_span, cost: dict) -> ShardManifest:
-        # Runs on the writer thread. Order: loss history durable up to this step ->
+    def _write(self, step: int, staged, user, param_span, cost: dict, rest=None) -> ShardManifest:
+        # Runs on the writer thread. Order: (overlap) the deferred copy, then the optimizers'
+        # step() may go on -> loss history durable up to this step ->
         # checkpoint committed atomically (on every rank: ranks.commit_rank) ->
         # latest moved -> queued for upload -> old steps rotated out.
         self.run.sync()
         self.local.clean_stale_once()
+        started = time.perf_counter()
+        if rest is not None:
+            try:
+                rest()
+            finally:
+                self._hold.release()
+            cost["deferred_s"] = time.perf_counter() - started
         wall = self._wall_base + time.monotonic() - self._wall_start  # the run's training time so far
         started = time.perf_counter()
         with collecting() as spent:  # fsync and commit seconds, measured where they happen
@@ -321,7 +352,7 @@ class CheckpointStore(AbstractContextManager):
                                        user=user, wall_clock_seconds=wall)
         # Committed. What follows can only warn: the checkpoint is safe whatever happens next.
         try:
-            self._stats.saved(step, cost["blocked_s"], cost["staging_s"], time.perf_counter() - started, spent,
+            self._stats.saved(step, cost, time.perf_counter() - started, spent,
                               manifest.shards[self.rank].size if self.ranks is not None else manifest.total_size)
             if self._node_leader:
                 self.local.update_latest()
@@ -436,6 +467,7 @@ class CheckpointStore(AbstractContextManager):
             if self.uploader is not None:
                 self.uploader.close()
             self._writer.shutdown(wait=True)
+            self._hold.release_all()
             self.run.close()
             if self.remote is not None:
                 self.remote.close()
