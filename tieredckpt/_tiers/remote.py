@@ -220,7 +220,8 @@ class RemoteTier:
                     continue
                 runs = runs_in(spans, offset, raw.numel()) if codec == "zstd-dtype" else None
                 stored = encode(raw, codec, level, runs)  # overlaps the sends already in flight
-                entry = PartEntry(part, offset, raw.numel(), len(stored), raw_crc, crc_hex(crc32c_update(stored)))
+                stored_crc = raw_crc if codec == "raw" else crc_hex(crc32c_update(stored))  # raw: the same bytes
+                entry = PartEntry(part, offset, raw.numel(), len(stored), raw_crc, stored_crc)
                 parts.append(entry)
                 in_flight.acquire()
                 if errors:
