@@ -107,6 +107,17 @@ def test_a_failing_callback_or_a_planted_events_file_never_fails_a_save(tmp_path
     assert out.returncode == 1 and "events file is a FIFO" in out.stderr, out
 
 
+def test_a_planted_symlink_for_the_events_file_is_never_followed(tmp_path):
+    run, victim = tmp_path / "run", tmp_path / "precious.txt"
+    run.mkdir()
+    victim.write_text("keep me")
+    (run / layout.EVENTS_FILE).symlink_to(victim)
+    with CheckpointStore(run, stall_budget=1.0) as s:
+        s.save(1, state(1)).wait()
+        assert s.stats()["saves"] == 1  # the record is kept in memory all the same
+    assert victim.read_text() == "keep me" and s.local.steps() == [1]
+
+
 def ls_stats(run, remote, *extra):
     """`tieredckpt ls RUN --stats` as a user runs it, credentials from the environment."""
     env = dict(os.environ)
