@@ -4,7 +4,6 @@ backward; its step() waits for it; the checkpoint is exactly the state at the sa
 from __future__ import annotations
 
 import threading
-import time
 
 import torch
 from conftest import train_step, trained
@@ -16,21 +15,23 @@ from tieredckpt._loop import staging
 real_copy = staging._copy
 
 
-def slow_background_copy(log: list):
-    """The deferred copy, made slow enough that the loop's next step would overtake it."""
+def slow_background_copy(log: list, trained_on: threading.Event | None = None):
+    """The deferred copy, held back until the loop has trained on (or, when the loop is
+    itself held in step(), for 0.3 s): without the hold, the next step overtakes it."""
     def copy(buffers, tensors, which):
         on_writer = threading.current_thread().name.startswith("tieredckpt-writer")
         if which:
             log.append((on_writer, len(which)))
         if on_writer and which:
-            time.sleep(0.3)
+            (trained_on or threading.Event()).wait(0.3)
         real_copy(buffers, tensors, which)
     return copy
 
 
 def save_then_train(tmp_path, name, overlap: bool, monkeypatch, hold: bool = True):
     log: list = []
-    monkeypatch.setattr(staging, "_copy", slow_background_copy(log))
+    trained_on = threading.Event()
+    monkeypatch.setattr(staging, "_copy", slow_background_copy(log, trained_on))
     if not hold:
         monkeypatch.setattr(staging.StepHold, "_hold", lambda self, opt, args, kwargs: None)
     model, opt = trained(steps=3)
@@ -39,6 +40,7 @@ def save_then_train(tmp_path, name, overlap: bool, monkeypatch, hold: bool = Tru
         handle = store.save(3, {"model": model, "optim": opt, "rng": capture_rng(), "step": 3}, overlap=overlap)
         for _ in range(2):  # the loop goes on at once: forward (BatchNorm stats move), backward, step
             train_step(model, opt)
+        trained_on.set()
         handle.wait()
         saved = store.restore(3)
     monkeypatch.undo()
