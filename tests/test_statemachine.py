@@ -119,15 +119,20 @@ class Checkpoints(RuleBasedStateMachine):
     def tiers_hold_only_whole_steps(self) -> None:
         if self.fs.mode == "permanent":
             self._had_permanent = True
+        # The uploader and rotation run while this looks: read the remote, then the local
+        # steps, then the remote again. A step rotated out after the local read was on the
+        # remote before it went (so in the second read); one already gone was in the first.
+        remote = self._remote()
+        owed_before = [s for s in self.saved if s % 5 == 0 and s not in remote.steps()]
         local = LocalTier(self.run, create=False)
-        for step in local.steps():
+        local_steps = local.steps()
+        for step in local_steps:
             try:
                 got = local.load(step)[0]
             except CheckpointNotFoundError:  # rotated away since it was listed: not a partial step
                 assert step not in local.steps()
                 continue
             assert first_difference(state(step), got) is None
-        remote = self._remote()
         on_remote = remote.steps()
         with tempfile.TemporaryDirectory() as tmp:
             fresh = LocalTier(tmp)
@@ -141,9 +146,8 @@ class Checkpoints(RuleBasedStateMachine):
         if self.saved:
             assert self.saved[-1] in local.steps()
         pinned = [s for s in self.saved if s % 5 == 0]
-        assert set(pinned) <= set(local.steps()) | set(on_remote)
-        owed = [s for s in pinned if s not in on_remote]
-        assert len(local.steps()) <= KEEP_LOCAL + len(owed) + 2, (local.steps(), on_remote, owed)
+        assert set(pinned) <= set(local_steps) | set(on_remote), (local_steps, on_remote)
+        assert len(local_steps) <= KEEP_LOCAL + len(owed_before) + 2, (local_steps, on_remote, owed_before)
 
     def _remote(self) -> RemoteTier:
         return RemoteTier(self.url)
