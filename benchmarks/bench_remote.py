@@ -7,10 +7,10 @@ steps on CPU (weights, m and v of every parameter, fp32). It is saved as one
 tieredckpt shard, then moved to and from a moto S3 server (a separate process,
 object bodies kept in memory) by:
 
-  upload:   tieredckpt RemoteTier.upload with raw / zstd / zstd-planes parts,
+  upload:   tieredckpt RemoteTier.upload with raw / zstd / zstd-planes / zstd-dtype parts,
             boto3 upload_file (TransferConfig 64 MiB parts x 8 threads),
             boto3 put_object of the whole file (one request)
-  download: tieredckpt RemoteTier.download (raw and zstd-planes parts),
+  download: tieredckpt RemoteTier.download (raw and zstd-dtype parts),
             boto3 download_file (64 MiB ranges x 8 threads)
 
 Reported: seconds, MB/s of raw checkpoint bytes, bytes sent, and client CPU
@@ -78,12 +78,14 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--params", type=int, default=120_000_000)
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="train the model (and its AdamW state) in this dtype")
     args = p.parse_args()
     import boto3
     from boto3.s3.transfer import TransferConfig
 
     print("training a GPT-shaped model for a few AdamW steps to get real optimizer state ...", flush=True)
-    state = trained_state(args.params)
+    state = trained_state(args.params, dtype=getattr(torch, args.dtype))
     root = tempfile.mkdtemp(prefix="bench-remote-")
     server = MotoServer().start()
     try:
@@ -118,6 +120,7 @@ def main() -> None:
         uploads = {"tieredckpt upload, raw parts": ours_up("raw"),
                    "tieredckpt upload, zstd parts": ours_up("zstd"),
                    "tieredckpt upload, zstd-planes parts": ours_up("zstd-planes"),
+                   "tieredckpt upload, zstd-dtype parts": ours_up("zstd-dtype"),
                    "boto3 upload_file (64 MiB x 8)": boto_upload_file,
                    "boto3 put_object (one request)": boto_put_object}
         up = {k: [] for k in uploads}
@@ -149,7 +152,7 @@ def main() -> None:
 
         down = {"boto3 download_file (64 MiB x 8)": []}
         client.upload_file(shard, "bench", "boto/rank0.bin", Config=tuned)
-        for codec in ("raw", "zstd-planes"):
+        for codec in ("raw", "zstd-dtype"):
             prepare, run = ours_down(codec)
             stored = [prepare()]
             name = f"tieredckpt download, {codec} parts"
