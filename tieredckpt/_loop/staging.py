@@ -43,7 +43,7 @@ class Stager:
         skeleton, tensors, names = tree.flatten(to_state_dict(state))
         buffers = [self._buffer(i, t) for i, t in enumerate(tensors)]
         del self._buffers[len(tensors):]
-        later = [i for i, t in enumerate(tensors) if t.untyped_storage().data_ptr() in defer]
+        later = [i for i, t in enumerate(tensors) if t.untyped_storage().data_ptr() in defer] if defer else []
         now = sorted(set(range(len(tensors))) - set(later))
         _copy(buffers, tensors, now)
         return Staged(skeleton, buffers, names), lambda: _copy(buffers, tensors, later)

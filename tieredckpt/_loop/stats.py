@@ -41,6 +41,7 @@ class Stats:
     def __init__(self, path: Path | None, budget: float, callback: Callable[[dict], None] | None) -> None:
         self.path, self.budget, self.callback = path, budget, callback
         self._lock = threading.Lock()
+        self._file_lock = threading.Lock()  # the writer's and the uploader's appends (and rotation)
         self._opened = time.monotonic()
         self._blocked = 0.0
         self._saves: list[dict] = []
@@ -90,6 +91,7 @@ class Stats:
         with self._lock:
             into.append(record)
             del into[:-1000]  # recent records for summary(); the file keeps them all
+        with self._file_lock:  # not self._lock: save() takes that one, and must never wait on a disk
             self._append(record)
         log.info("%s", json.dumps(record))
         if self.callback is not None:

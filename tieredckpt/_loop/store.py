@@ -333,13 +333,13 @@ class CheckpointStore(AbstractContextManager):
         # latest moved -> queued for upload -> old steps rotated out.
         self.run.sync()
         self.local.clean_stale_once()
-        started = time.perf_counter()
         if rest is not None:
+            copy_started = time.perf_counter()
             try:
                 rest()
             finally:
                 self._hold.release()
-            cost["deferred_s"] = time.perf_counter() - started
+            cost["deferred_s"] = time.perf_counter() - copy_started
         wall = self._wall_base + time.monotonic() - self._wall_start  # the run's training time so far
         started = time.perf_counter()
         with collecting() as spent:  # fsync and commit seconds, measured where they happen
