@@ -92,3 +92,58 @@ def test_cli_reshard_writes_a_new_run_at_the_new_world_size(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "tieredckpt.cli", "reshard", str(tmp_path / "run"), "--world-size", "3"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 1 and "never overwritten" in bad.stderr  # the output exists already
+
+
+# ---- the n-D planner DTensor pieces use (boxes.cover) ------------------------------------
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from tieredckpt._format.boxes import Box, cover, overlap  # noqa: E402
+from tieredckpt.errors import CorruptCheckpointError  # noqa: E402
+
+
+@st.composite
+def tiling_and_box(draw):
+    """A global shape cut into a grid of pieces (uneven cuts, empty ones too) and a wanted box."""
+    dims = draw(st.integers(1, 3))
+    shape = [draw(st.integers(1, 9)) for _ in range(dims)]
+    cuts = [sorted(draw(st.lists(st.integers(0, n), max_size=4))) for n in shape]
+    edges = [[0, *c, n] for c, n in zip(cuts, shape)]
+    pieces = [Box((), ())]
+    for e in edges:
+        pieces = [Box(b.offset + (lo,), b.shape + (hi - lo,)) for b in pieces for lo, hi in zip(e, e[1:])]
+    lo = [draw(st.integers(0, n - 1)) for n in shape]
+    want = Box(tuple(lo), tuple(draw(st.integers(1, n - o)) for o, n in zip(lo, shape)))
+    return shape, draw(st.permutations(pieces)), want
+
+
+@settings(max_examples=300, deadline=None)
+@given(tiling_and_box(), st.booleans())
+def test_cover_fills_the_wanted_box_exactly_once_from_any_tiling(case, duplicate):
+    shape, pieces, want = case
+    if duplicate and pieces:  # a replicated piece written twice is read once
+        pieces = [*pieces, pieces[0]]
+    used = cover(pieces, want)
+    cells = {}
+    for i, part in used:
+        assert overlap(part, pieces[i]) == part and overlap(part, want) == part
+        for cell in _cells(part):
+            assert cell not in cells
+            cells[cell] = i
+    assert set(cells) == set(_cells(want))
+
+
+@settings(max_examples=100, deadline=None)
+@given(tiling_and_box())
+def test_cover_refuses_a_missing_piece_it_needs(case):
+    shape, pieces, want = case
+    needed = [i for i, p in enumerate(pieces) if overlap(p, want) is not None]
+    pieces = [p for i, p in enumerate(pieces) if i != needed[0]]
+    with pytest.raises(CorruptCheckpointError, match="missing"):
+        cover(pieces, want)
+
+
+def _cells(box: Box) -> set[tuple]:
+    import itertools
+    return set(itertools.product(*(range(o, o + s) for o, s in zip(box.offset, box.shape))))

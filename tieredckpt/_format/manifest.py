@@ -34,6 +34,7 @@ _INT_MAX = 2**63 - 1
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _HEX8 = re.compile(r"^[0-9a-f]{8}$")
 CODECS = ("raw",)
+LAYOUTS = ("plain", "dtensor")
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,7 @@ class ShardManifest:
     schema_version: int = SCHEMA_VERSION
     created_unix: float = 0.0
     user: dict = field(default_factory=dict)
+    layout: str = "plain"  # "dtensor": shards hold DTensor pieces, restored by assembling them
 
     def to_json(self) -> str:
         raw = asdict(self)
@@ -156,7 +158,10 @@ def _validate(raw: object, source: str) -> ShardManifest:
     if len(set(paths)) != len(paths):
         raise ManifestError(f"{source}: two shards share one path")
     shards.sort(key=lambda s: s.rank)
-    return ShardManifest(world_size, step, wall, shards, version, created or 0.0, user)
+    kind = raw.get("layout", "plain")
+    if kind not in LAYOUTS:
+        raise ManifestError(f"{source}: layout {kind!r} is not one of {LAYOUTS}")
+    return ShardManifest(world_size, step, wall, shards, version, created or 0.0, user, kind)
 
 
 def _shard(raw: object, where: str) -> ShardEntry:

@@ -28,7 +28,7 @@ import torch
 from ..errors import ChecksumMismatchError, CorruptCheckpointError, UnsupportedStateError
 from . import tree
 from .atomic import write_all
-from .checksum import CHUNK, Digest, StreamDigest, digest_buffer
+from .checksum import CHUNK, Digest, StreamDigest, crc32c_update, crc_hex, digest_buffer
 from .memview import byte_view
 from .phases import phase
 from .safefile import open_checked
@@ -63,7 +63,11 @@ def write_flattened(path, skeleton, tensors: list[torch.Tensor], names: list[str
     """Write already-flattened state (see :func:`tree.flatten`) in one streaming pass."""
     arrays = [_as_bytes(t, name) for t, name in zip(tensors, names)]
     order = sorted(range(len(tensors)), key=lambda i: -tensors[i].element_size())
-    header_bytes = _encode_header(skeleton, tensors, names, order)
+    # A state with DTensor pieces is read piece by piece when resharded (no rank reads whole
+    # shards it does not need), so each tensor carries a crc32c of its own: one more pass
+    # over the bytes, on the writer thread, before the header that records them.
+    crcs = [crc_hex(crc32c_update(a)) for a in arrays] if tree.piece_nodes(skeleton) else None
+    header_bytes = _encode_header(skeleton, tensors, names, order, crcs)
     digest = StreamDigest(sha256=sha256)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
@@ -101,7 +105,7 @@ def _as_bytes(t: torch.Tensor, name: str) -> memoryview:
     return byte_view(t)
 
 
-def _encode_header(skeleton, tensors, names, order) -> bytes:
+def _encode_header(skeleton, tensors, names, order, crcs=None) -> bytes:
     header: dict[str, Any] = {}
     offset = 0
     for i in order:
@@ -110,6 +114,8 @@ def _encode_header(skeleton, tensors, names, order) -> bytes:
                             "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     meta = {"version": FORMAT_VERSION, "tree": skeleton, "names": names}
+    if crcs is not None:
+        meta["crcs"] = crcs
     header["__metadata__"] = {FORMAT_KEY: json.dumps(meta, separators=(",", ":"))}
     raw = json.dumps(header, separators=(",", ":")).encode()
     padded = raw.ljust(-(-(8 + len(raw)) // _ALIGN) * _ALIGN - 8, b" ")  # data starts 64-aligned

@@ -12,17 +12,19 @@ decoding only builds dicts, lists, tuples and the tensors it is handed.
           | {"@u": [node, ...]}             tuple
           | {"@d": [[key, node], ...]}      dict, key is a JSON scalar
           | {"@o": [[key, node], ...], "m": node}   OrderedDict (+ _metadata)
+          | {"@p": {...}}                   a DTensor's piece (pieces.py)
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from ..errors import CorruptCheckpointError, UnsupportedStateError
+from .pieces import PIECE_TAG, describe, is_dtensor
 
 _SCALARS = (type(None), bool, int, float, str)
 _MAX_DEPTH = 200
@@ -67,6 +69,14 @@ class _Flattener:
     def walk(self, obj: Any, path: tuple) -> Any:
         if len(path) > _MAX_DEPTH:
             raise UnsupportedStateError(f"state nested deeper than {_MAX_DEPTH} levels at {_where(path)}")
+        if is_dtensor(obj):  # before Tensor: a DTensor is one
+            local, node = describe(obj, _where(path))
+            node["t"] = None
+            if local is not None:
+                self.tensors.append(local)
+                self.names.append(self.name_for(path))
+                node["t"] = len(self.tensors) - 1
+            return {PIECE_TAG: node}
         if isinstance(obj, torch.Tensor):
             self.tensors.append(obj)
             self.names.append(self.name_for(path))
@@ -89,47 +99,93 @@ class _Flattener:
         )
 
 
-def unflatten(skeleton: Any, tensors: list[torch.Tensor], source: str = "checkpoint") -> Any:
-    """Rebuild the state from a skeleton read from ``source`` (untrusted) and its tensors."""
-    builder = _Builder(tensors, source)
+Fetch = Callable[[int, tuple], Any]
+OnPiece = Callable[[tuple, dict], Any]
+
+
+def unflatten(skeleton: Any, tensors: list[torch.Tensor] | Fetch, source: str = "checkpoint", *,
+              count: int | None = None, on_piece: OnPiece | None = None) -> Any:
+    """Rebuild the state from a skeleton read from ``source`` (untrusted) and its tensors.
+
+    ``tensors`` is the list of tensors, or ``fetch(index, path)`` returning tensor
+    ``index`` (of ``count``) for the leaf at ``path``. A DTensor piece node becomes
+    ``on_piece(path, node)``; by default the piece this rank stored (or None)."""
+    if not callable(tensors):
+        listed = tensors
+        tensors, count = (lambda i, path: listed[i]), len(listed)
+    builder = _Builder(tensors, count or 0, source, on_piece)
     try:
-        return builder.build(skeleton, 0)
+        return builder.build(skeleton, ())
     except RecursionError as exc:
         raise builder.bad("nested too deeply") from exc
+
+
+def piece_nodes(skeleton: Any) -> list[tuple[tuple, dict]]:
+    """(path, node) of every DTensor piece in a skeleton (untrusted: malformed parts are skipped
+    here and refused by unflatten)."""
+    found: list[tuple[tuple, dict]] = []
+    stack = [(skeleton, ())]
+    while stack:
+        node, path = stack.pop()
+        if not isinstance(node, dict) or len(path) > _MAX_DEPTH:
+            continue
+        if PIECE_TAG in node:
+            found.append((path, node[PIECE_TAG]))
+        for tag in ("@l", "@u"):
+            if isinstance(node.get(tag), list):
+                stack.extend((v, path + (i,)) for i, v in enumerate(node[tag]))
+        for tag in ("@d", "@o"):
+            if isinstance(node.get(tag), list):
+                stack.extend((pair[1], path + (pair[0],)) for pair in node[tag]
+                             if isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], _SCALARS))
+    return found
 
 
 class _Builder:
     """The walk of :func:`unflatten` (a class for the same reason as _Flattener)."""
 
-    def __init__(self, tensors: list[torch.Tensor], source: str) -> None:
-        self.tensors, self.source = tensors, source
+    def __init__(self, fetch: Fetch, count: int, source: str, on_piece: OnPiece | None) -> None:
+        self.fetch, self.count, self.source = fetch, count, source
+        self.on_piece = on_piece  # never a bound method of self: a cycle would keep mapped tensors alive
 
     def bad(self, why: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(f"{self.source}: invalid state tree: {why}")
 
-    def build(self, node: Any, depth: int) -> Any:
-        if depth > _MAX_DEPTH:
+    def _index(self, index: Any) -> int:
+        if type(index) is not int or not 0 <= index < self.count:
+            raise self.bad(f"tensor reference {index!r} out of range (have {self.count})")
+        return index
+
+    def _stored_piece(self, path: tuple, node: dict) -> Any:
+        index = node.get("t") if isinstance(node, dict) else None
+        return None if index is None else self.fetch(self._index(index), path)
+
+    def build(self, node: Any, path: tuple) -> Any:
+        if len(path) > _MAX_DEPTH:
             raise self.bad(f"nested deeper than {_MAX_DEPTH} levels")
         if isinstance(node, _SCALARS):
             return node
         if not isinstance(node, dict) or len(node) not in (1, 2):
             raise self.bad(f"unexpected node {str(node)[:80]!r}")
         if "@t" in node:
-            index = node["@t"]
-            if type(index) is not int or not 0 <= index < len(self.tensors):
-                raise self.bad(f"tensor reference {index!r} out of range (have {len(self.tensors)})")
-            return self.tensors[index]
+            return self.fetch(self._index(node["@t"]), path)
+        if PIECE_TAG in node:
+            if not isinstance(node[PIECE_TAG], dict):
+                raise self.bad("piece node does not hold an object")
+            if self.on_piece is None:
+                return self._stored_piece(path, node[PIECE_TAG])
+            return self.on_piece(path, node[PIECE_TAG])
         if "@l" in node or "@u" in node:
             seq = node.get("@l", node.get("@u"))
             if not isinstance(seq, list):
                 raise self.bad("list node does not hold a list")
-            out = [self.build(v, depth + 1) for v in seq]
+            out = [self.build(v, path + (i,)) for i, v in enumerate(seq)]
             return tuple(out) if "@u" in node else out
         if "@d" in node or "@o" in node:
-            return self._dict(node, depth)
+            return self._dict(node, path)
         raise self.bad(f"unknown node tag {sorted(node)!r}")
 
-    def _dict(self, node: dict, depth: int) -> dict:
+    def _dict(self, node: dict, path: tuple) -> dict:
         pairs = node.get("@d", node.get("@o"))
         if not isinstance(pairs, list):
             raise self.bad("dict node does not hold a list of pairs")
@@ -137,9 +193,9 @@ class _Builder:
         for pair in pairs:
             if not (isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], _SCALARS)):
                 raise self.bad(f"malformed dict entry {str(pair)[:80]!r}")
-            result[pair[0]] = self.build(pair[1], depth + 1)
+            result[pair[0]] = self.build(pair[1], path + (pair[0],))
         if "@o" in node and node.get("m") is not None:
-            result._metadata = self.build(node["m"], depth + 1)  # type: ignore[attr-defined]
+            result._metadata = self.build(node["m"], path + ("_metadata",))  # type: ignore[attr-defined]
         return result
 
 

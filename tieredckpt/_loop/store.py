@@ -53,6 +53,7 @@ from .._tiers.lease import WriterLease
 from .._tiers.local import LocalTier
 from .._tiers.ranks import RankGroup, commit_rank, node_key
 from .._tiers.remote import PART_SIZE, RemoteTier
+from .._tiers.placement import Targets
 from .._tiers.restore import Restorer, load_into
 from .._tiers.retention import Policy
 from .._tiers.runlock import RunLock
@@ -514,7 +515,7 @@ class CheckpointStore(AbstractContextManager):
         self._finish_pending()
         if self.rank == 0 and self.remote is not None and not self.read_only:
             self._fetch_side_files()
-        step, state = self._restorer.restore(step, reshard)
+        step, state = self._restorer.restore(step, reshard, Targets(into) if into else None)
         if step is None:
             return None
         self._resumed_from(step)

@@ -20,6 +20,7 @@ from typing import Any, Sequence
 import torch
 
 from .._format import layout
+from .._format.boxes import Box, cover
 from .._format.compare import first_difference
 from ..errors import UnsupportedStateError
 
@@ -62,21 +63,16 @@ def check_tiling(spans: Sequence[Span], what: str) -> int:
 
 
 def plan(src_spans: Sequence[Span], dst_spans: Sequence[Span]) -> list[Copy]:
-    """Which element ranges of which source shard land where in which destination shard."""
+    """Which element ranges of which source shard land where in which destination shard
+    (the 1-D case of boxes.cover, the planner DTensor pieces use too)."""
     total = check_tiling(src_spans, "source layout")
     if check_tiling(dst_spans, "target layout") != total:
         raise UnsupportedStateError(f"source holds {total} elements, the target layout {sum(n for _, n in dst_spans)}")
+    sources = [Box((start,), (numel,)) for start, numel in src_spans]
     copies = []
-    s = d = 0
-    pos = 0
-    while pos < total:
-        while src_spans[s][0] + src_spans[s][1] <= pos:
-            s += 1
-        while dst_spans[d][0] + dst_spans[d][1] <= pos:
-            d += 1
-        end = min(src_spans[s][0] + src_spans[s][1], dst_spans[d][0] + dst_spans[d][1])
-        copies.append(Copy(s, pos - src_spans[s][0], d, pos - dst_spans[d][0], end - pos))
-        pos = end
+    for d, (start, numel) in enumerate(dst_spans):
+        for s, part in cover(sources, Box((start,), (numel,)), "flat parameter space"):
+            copies.append(Copy(s, part.offset[0] - src_spans[s][0], d, part.offset[0] - start, part.shape[0]))
     return copies
 
 

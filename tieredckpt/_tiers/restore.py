@@ -34,7 +34,9 @@ from ..errors import (
     IncompatibleStateError,
     RemoteError,
 )
+from .assemble import PieceFile, assemble
 from .local import LocalTier
+from .placement import Targets
 from .ranks import RankGroup
 from .remote import RemoteTier
 from .reshard import reshard as reshard_states
@@ -49,14 +51,25 @@ class Restorer:
         self.local, self.remote, self.ranks = local, remote, ranks
         self.verify, self.node_leader, self.read_only = verify, node_leader, read_only
         self.rank = ranks.rank if ranks else 0
+        self.targets = Targets()
+        self._uploads: dict[int, Any] = {}
 
-    def restore(self, step: int | None, reshard: bool = False) -> tuple[int | None, Any]:
+    def _upload(self, step: int):
+        """The remote's upload manifest of ``step``, asked once per restore."""
+        if step not in self._uploads:
+            self._uploads[step] = self.remote.upload_manifest(step)
+        return self._uploads[step]
+
+    def restore(self, step: int | None, reshard: bool = False, targets: Targets | None = None
+                ) -> tuple[int | None, Any]:
         """(step, state) of the named step, or of the newest step that loads and verifies.
 
         With no step named, each refused newer step (corrupt, malformed, unreadable,
         on either tier) is named in a warning, its local copy is moved to
         ``quarantine/`` (so the run can save that step number again), and the next
-        older one is tried. (None, None) when no tier holds any checkpoint."""
+        older one is tried. (None, None) when no tier holds any checkpoint.
+        ``targets``: what the objects loaded into want (their sharding; placement.py)."""
+        self.targets, self._uploads = targets or Targets(), {}
         for attempt in (1, 2):  # a second look when the writer rotated away what we were reading
             local_steps, remote_steps = self.local.steps(), RemoteSteps(self.remote)
             refused, vanished = [], False
@@ -133,20 +146,73 @@ class Restorer:
 
     def load(self, step: int, local_steps: list[int], remote_steps: list[int], reshard: bool = False) -> Any:
         world = self.ranks.world_size if self.ranks else 1
+        if self.ranks is not None:  # decided on each rank inside _agree: no rank waits on a failed one
+            return self._agree(lambda: self._load_any(step, local_steps, remote_steps, reshard, world),
+                               f"restoring step {step}")
+        return self._load_any(step, local_steps, remote_steps, reshard, world)
+
+    def _load_any(self, step: int, local_steps: list[int], remote_steps, reshard: bool, world: int) -> Any:
+        if self._assembles(step, local_steps, remote_steps):
+            return self._load_assembled(step, local_steps, remote_steps)
         if reshard and self._saved_manifest(step, local_steps).world_size != world:
-            if self.ranks is None:
-                return self._load_resharded(step, local_steps)
-            return self._agree(lambda: self._load_resharded(step, local_steps), f"resharding step {step}")
+            return self._load_resharded(step, local_steps)
         if self.ranks is None:
             return self._load_single(step, local_steps, remote_steps)
-        return self._agree(lambda: self._load_rank(step, local_steps, remote_steps), f"restoring step {step}")
+        return self._load_rank(step, local_steps, remote_steps)
+
+    def _assembles(self, step: int, local_steps: list[int], remote_steps) -> bool:
+        """Whether the step is read piece by piece: the targets are sharded (DTensors), or the
+        checkpoint holds DTensor pieces (its manifest's layout). A single process learns the
+        layout of a remote-only step after downloading it (no extra request)."""
+        if self.targets.sharded:
+            return True
+        if step in local_steps:
+            try:
+                return self.local.manifest(step).layout == "dtensor"
+            except (CorruptCheckpointError, OSError):
+                return False  # the usual path refuses or replaces it
+        if self.ranks is not None and step in remote_steps:
+            return self._upload(step).shard_manifest.layout == "dtensor"
+        return False
+
+    def _load_assembled(self, step: int, local_steps: list[int], remote_steps) -> Any:
+        """This rank's state from the pieces it needs (assemble.py): the local shards when they
+        hold the step and verify, else the remote's, fetched into scratch."""
+        path = self.local.step_path(step)
+        if step in local_steps:
+            try:
+                return self._assemble_from(step, self.local.manifest(step), path, None)
+            except CorruptCheckpointError as exc:
+                if step not in remote_steps:
+                    raise
+                _warn(f"{exc}; reading step {step} from the remote copy instead")
+        elif step not in remote_steps:
+            raise CheckpointNotFoundError(f"step {step}: not in {self.local.root} nor on the remote")
+        upload = self._upload(step)
+        return self._assemble_from(step, upload.shard_manifest, None, upload)
+
+    def _assemble_from(self, step: int, manifest: ShardManifest, here: Path | None, upload) -> Any:
+        """Assemble from the shards in ``here`` -- a node-local dir may lack other nodes' shards:
+        those, or all of them with ``upload``, are fetched whole from the remote into scratch."""
+        with self._scratch(step) as tmp:
+            def open_file(rank: int) -> PieceFile:
+                entry = manifest.shards[rank]
+                if here is not None and (here / entry.path).exists():
+                    return PieceFile(here / entry.path, entry, self.verify)
+                if self.remote is None:
+                    raise CheckpointNotFoundError(f"{here}: holds no shard of rank {rank} and there is no remote "
+                                                  "to fetch it from (node-local directories need a remote)")
+                self._fetch_shard(upload or self._upload(step), entry, tmp)
+                return PieceFile(tmp / entry.path, entry, self.verify)
+            where = here if here is not None else self.remote.where(layout.step_dir_name(step))
+            return assemble(open_file, manifest, self.rank, self.targets, str(where))
 
     def _saved_manifest(self, step: int, local_steps: list[int]) -> ShardManifest:
         if step in local_steps:
             return self.local.manifest(step)
         if self.remote is None:
             raise CheckpointNotFoundError(f"step {step}: not in {self.local.root}")
-        return self.remote.upload_manifest(step).shard_manifest
+        return self._upload(step).shard_manifest
 
     def _load_resharded(self, step: int, local_steps: list[int]) -> Any:
         """Every source shard (local, or fetched from the remote), re-split; this rank's part."""
@@ -160,7 +226,7 @@ class Restorer:
             except (CorruptCheckpointError, FileNotFoundError):
                 if self.remote is None:
                     raise
-                upload = self.remote.upload_manifest(step)
+                upload = self._upload(step)
                 with self._scratch(step) as tmp:  # the mapping outlives the scratch file
                     self._fetch_shard(upload, entry, tmp)
                     states.append(read_shard(tmp / entry.path, size=entry.size, crc32c=entry.crc32c,
@@ -206,7 +272,7 @@ class Restorer:
                 _warn(f"{exc}; fetching rank {self.rank}'s shard of step {step} from the remote")
         elif step not in remote_steps:
             raise CheckpointNotFoundError(f"step {step}: not in {self.local.root} nor on the remote")
-        upload = self.remote.upload_manifest(step)
+        upload = self._upload(step)
         manifest = upload.shard_manifest
         entry = manifest.shards[self.rank]
         if self.read_only:
@@ -246,11 +312,15 @@ class Restorer:
             raise CheckpointNotFoundError(f"step {step}: no committed checkpoint in {self.local.root}{where} "
                                           f"(local: {local_steps[-5:] or 'none'})")
         if self.read_only:  # a reader writes nothing: fetch into a private temp dir, load, drop it
-            upload = self.remote.upload_manifest(step)
+            upload = self._upload(step)
+            if upload.shard_manifest.layout == "dtensor":
+                return self._assemble_from(step, upload.shard_manifest, None, upload)
             with scratch_dir(None) as tmp:
                 self.remote.fetch_files(upload, upload.files, tmp)
                 return load_sharded_files(tmp, upload.shard_manifest, self.verify)[0]
         self.local.download(step, self.remote, verify=self.verify)
+        if self.local.manifest(step).layout == "dtensor":
+            return self._assemble_from(step, self.local.manifest(step), self.local.step_path(step), None)
         # download() verified every file in this same mode before committing it
         return self.local.load(step, world_size=1, verify="none")[0]
 

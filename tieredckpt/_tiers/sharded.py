@@ -78,19 +78,23 @@ def _save(state_dict_per_rank, final: Path, step: int, spans, wall_clock_seconds
     with building(final) as tmp:  # shards, then the manifest, then the atomic rename
         digests = [write_rank(tmp / layout.shard_name(rank), state)  # fsynced inside
                    for rank, state in enumerate(state_dict_per_rank)]
-        manifest = make_manifest(step, digests, spans, wall_clock_seconds, user)
+        pieces = any(has_pieces(state) for state in state_dict_per_rank)
+        manifest = make_manifest(step, digests, spans, wall_clock_seconds, user, pieces)
         write_manifest(tmp, manifest)  # last: names only durable shards
     return manifest
 
 
-def make_manifest(step: int, digests, spans, wall_clock_seconds: float, user: dict | None) -> ShardManifest:
+def make_manifest(step: int, digests, spans, wall_clock_seconds: float, user: dict | None,
+                  pieces: bool = False) -> ShardManifest:
     """The one place a checkpoint manifest is made: rank r's shard ``rank{r}.bin`` with its
-    digest (size, crc32c, sha256) and its (offset, numel) span of the flat parameter space."""
+    digest (size, crc32c, sha256) and its (offset, numel) span of the flat parameter space;
+    ``pieces`` when any shard holds DTensor pieces."""
     entries = [ShardEntry(rank=rank, path=layout.shard_name(rank), sha256=d.sha256, size=d.size, crc32c=d.crc32c,
                           param_shard_offset=span[0], param_shard_numel=span[1])
                for rank, (d, span) in enumerate(zip(digests, spans))]
     return ShardManifest(world_size=len(entries), step=step, wall_clock_seconds=float(wall_clock_seconds),
-                         shards=entries, created_unix=time.time(), user=dict(user or {}))
+                         shards=entries, created_unix=time.time(), user=dict(user or {}),
+                         layout="dtensor" if pieces else "plain")
 
 
 def check_user_value(user: dict | None) -> dict:
@@ -122,6 +126,13 @@ def write_rank(path: Path, state: Any):
     if isinstance(state, Staged):  # already snapshotted by the store
         return write_flattened(path, state.skeleton, state.tensors, state.names)
     return write_shard(path, state)
+
+
+def has_pieces(state: Any) -> bool:
+    """Whether a rank's state (or Staged snapshot) holds DTensor pieces."""
+    from .._format import tree
+    from .._format.tree import Staged
+    return bool(tree.piece_nodes(state.skeleton if isinstance(state, Staged) else tree.flatten(state)[0]))
 
 
 def state_nbytes(state: Any) -> int:

@@ -1,0 +1,167 @@
+"""Restoring a state that holds DTensor pieces: each rank reads only the pieces it needs.
+
+    assemble(open_file, manifest, rank, targets, source) -> this rank's state
+
+Order of work, for one rank:
+  1. every shard's header is read (two small reads per file) and its skeleton's
+     piece nodes indexed by their path in the state (pieces.py);
+  2. the base skeleton -- this rank's own shard, or rank 0's when the world grew --
+     gives the state's structure and its plain values (RNG, step counts, hyper-
+     parameters), as the rank saved them;
+  3. for every DTensor leaf, the target says which box of the global tensor this
+     rank wants (its own mesh and placements, or the whole tensor for a plain
+     model); boxes.cover names the saved pieces that overlap it, and only those
+     are read, each checked against its own crc32c before any byte is used;
+  4. the result is wrapped as the target wants it (a DTensor on the target's mesh).
+Nothing is loaded into a live object here: load_into does that after every key
+and shape checks, so a bad piece leaves the model untouched.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from .._format import tree
+from .._format.boxes import Box, cover
+from .._format.checksum import crc32c_update, crc_hex
+from .._format.manifest import ShardEntry, ShardManifest
+from .._format.memview import byte_view
+from .._format.pieces import piece_box
+from .._format.safefile import open_checked
+from .._format.shardfile import _DTYPES, FORMAT_KEY, FORMAT_VERSION
+from .._format.shardheader import header_length, parse_header
+from ..errors import ChecksumMismatchError, CorruptCheckpointError
+from .placement import Targets
+
+
+def _pread_into(fd: int, view: memoryview, offset: int) -> int:
+    """Fill ``view`` from ``fd`` at ``offset``; every byte a restore reads from a shard passes here."""
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n <= 0:
+            raise CorruptCheckpointError(f"fd {fd}: file shrank while being read")
+        done += n
+    return done
+
+
+class PieceFile:
+    """One shard file opened for reading tensor by tensor, each checked on its own."""
+
+    def __init__(self, path: Path, entry: ShardEntry, verify: str) -> None:
+        self.path, self.verify = path, verify
+        self.f = open_checked(path.parent, path.name, 1 << 62, f"shard of rank {entry.rank}")
+        try:
+            if self.f.size != entry.size:
+                raise ChecksumMismatchError(f"{path}: {self.f.size} bytes on disk but the manifest records "
+                                            f"{entry.size} (truncated or partial write)")
+            self._read_header()
+            if self.crcs is None and verify != "none" or verify == "sha256":
+                self._check_whole(entry)  # no per-tensor checksums (or the strict mode): the file as one
+        except BaseException:
+            self.f.close()
+            raise
+
+    def _read_header(self) -> None:
+        source = str(self.path)
+        n = header_length(os.pread(self.f.fd, 8, 0), self.f.size, source)
+        header = parse_header(os.pread(self.f.fd, n, 8), self.f.size - 8 - n, source)
+        self.data_start = 8 + n
+        try:
+            info = json.loads(header.pop("__metadata__", {})[FORMAT_KEY])
+            self.skeleton, self.names, version = info["tree"], info["names"], info["version"]
+            self.crcs = info.get("crcs")
+        except (ValueError, TypeError, KeyError, RecursionError) as exc:
+            raise CorruptCheckpointError(f"{source}: unreadable tieredckpt metadata ({exc})") from None
+        if version != FORMAT_VERSION or not isinstance(self.names, list) or \
+                not all(isinstance(x, str) and x in header for x in self.names):
+            raise CorruptCheckpointError(f"{source}: metadata does not match the header's tensors")
+        if self.crcs is not None and (not isinstance(self.crcs, list) or len(self.crcs) != len(self.names)):
+            raise CorruptCheckpointError(f"{source}: per-tensor checksums do not match its {len(self.names)} tensors")
+        self.header = header
+
+    def _check_whole(self, entry: ShardEntry) -> None:
+        got = self.f.digest(sha256=self.verify == "sha256")
+        if got.crc32c != entry.crc32c or (self.verify == "sha256" and got.sha256 != entry.sha256):
+            raise ChecksumMismatchError(f"{self.path}: its checksum does not match the manifest's (corrupt)")
+
+    def tensor(self, index: int) -> torch.Tensor:
+        """Tensor ``index`` of this shard, read alone into fresh memory and verified."""
+        entry = self.header[self.names[index]]
+        if entry["dtype"] not in _DTYPES:
+            raise CorruptCheckpointError(f"{self.path}: dtype {entry['dtype']} is not supported here")
+        out = torch.empty(entry["shape"], dtype=_DTYPES[entry["dtype"]])
+        start, end = entry["data_offsets"]
+        view = byte_view(out.view(-1)) if out.numel() else memoryview(b"")
+        if len(view) != end - start:
+            raise CorruptCheckpointError(f"{self.path}: tensor {self.names[index]!r} has the wrong size")
+        _pread_into(self.f.fd, view, self.data_start + start)
+        if self.crcs is not None and self.verify == "crc" and crc_hex(crc32c_update(view)) != self.crcs[index]:
+            raise ChecksumMismatchError(f"{self.path}: tensor {self.names[index]!r} fails its crc32c (corrupt)")
+        return out
+
+    def close(self) -> None:
+        self.f.close()
+
+
+def assemble(open_file: Callable[[int], PieceFile], manifest: ShardManifest, rank: int, targets: Targets,
+             source: str) -> Any:
+    """This rank's state, its DTensor leaves built from the saved pieces that overlap what it wants."""
+    files = [open_file(r) for r in range(manifest.world_size)]  # 1. headers (and checks) of every shard
+    index: dict[tuple, list[tuple[int, dict]]] = defaultdict(list)
+    for r, f in enumerate(files):
+        for path, node in tree.piece_nodes(f.skeleton):
+            if isinstance(node, dict) and node.get("t") is not None:
+                index[path].append((r, node))
+    base = files[rank if rank < len(files) else 0]  # 2. structure and plain values
+
+    def plain(i: int, path: tuple) -> torch.Tensor:
+        t = base.tensor(i)
+        want = targets.want(path, tuple(t.shape))
+        if want is None:
+            return t
+        box, wrap = want  # a plain saved tensor into a sharded target: this rank's part of it
+        return wrap(t[box.relative_to(Box((0,) * t.dim(), tuple(t.shape)))].clone())
+
+    def piece(path: tuple, node: dict) -> torch.Tensor:  # 3. + 4.
+        _, whole, dtype = piece_box(node, source)
+        want = targets.want(path, whole.shape)
+        box, wrap = want if want is not None else (whole, lambda t: t)
+        saved = []
+        for r, n in index.get(path, []):
+            b, g, d = piece_box(n, f"{files[r].path}")
+            if g != whole or d != dtype:
+                raise CorruptCheckpointError(f"{source}: {_name(path)} is {g.shape}/{d} in rank {r}'s shard, "
+                                             f"{whole.shape}/{dtype} in rank {rank}'s")
+            saved.append((r, n, b))
+        out = torch.empty(box.shape, dtype=dtype)
+        for i, part in cover([b for _, _, b in saved], box, f"{source}: {_name(path)}"):
+            r, n, b = saved[i]
+            t = files[r].tensor(_index(n["t"], files[r]))
+            if tuple(t.shape) != b.shape:
+                raise CorruptCheckpointError(f"{files[r].path}: piece of {_name(path)} is {tuple(t.shape)}, "
+                                             f"its node says {b.shape}")
+            out[part.relative_to(box)] = t[part.relative_to(b)]
+        return wrap(out)
+
+    try:
+        return tree.unflatten(base.skeleton, plain, str(base.path), count=len(base.names), on_piece=piece)
+    finally:
+        for f in files:
+            f.close()
+
+
+def _index(t: Any, f: PieceFile) -> int:
+    if type(t) is not int or not 0 <= t < len(f.names):
+        raise CorruptCheckpointError(f"{f.path}: piece names tensor {t!r} of {len(f.names)}")
+    return t
+
+
+def _name(path: tuple) -> str:
+    return "/".join(str(p) for p in path)
