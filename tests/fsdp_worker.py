@@ -123,6 +123,8 @@ def main() -> None:
     p.add_argument("--remote")
     p.add_argument("--remote-options", default="{}")
     p.add_argument("--kill-rank", type=int, default=-1)
+    p.add_argument("--overlap", action="store_true", help="save with overlap=True")
+    p.add_argument("--dcp", choices=["save", "async_save"], help="save and load with torch.distributed.checkpoint")
     args = p.parse_args()
     torch.set_num_threads(1)
     distributed = "WORLD_SIZE" in os.environ
@@ -145,15 +147,22 @@ def main() -> None:
         state = lambda step: {"model": model, "optim": opt, "step": step}  # noqa: E731
         if args.scenario == "save":
             train(model, opt, range(1, 4))
-            store.save(3, state(3)).wait()
+            if args.dcp:
+                dcp_save(store, model, opt, 3, args.dcp)
+            else:
+                handle = store.save(3, state(3), overlap=args.overlap)
+                if not args.overlap:
+                    handle.wait()
             ref = full_state(model, opt)
             if rank == 0:
                 write_shard(args.ref, ref)
             out["losses"] = train(model, opt, range(4, 6))
             store.wait(uploads=True)
         elif args.scenario == "restore":
-            restored = store.restore(into={"model": model, "optim": opt})
-            out["step"] = restored["step"]
+            if args.dcp:
+                out["step"] = dcp_load(store, model, opt)
+            else:
+                out["step"] = store.restore(into={"model": model, "optim": opt})["step"]
             out["read"] = reads[0]
             out["need"] = sum(t.numel() * t.element_size() for t in _locals(model.state_dict()) +
                               _locals(opt.state_dict()["state"]))
@@ -177,6 +186,27 @@ def main() -> None:
     print(json.dumps(out), flush=True)
     if distributed:
         dist.destroy_process_group()
+
+
+def dcp_save(store, model, opt, step: int, how: str) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    msd, osd = get_state_dict(model, opt)
+    state = {"model": msd, "optim": osd, "step": step}
+    if how == "async_save":
+        dcp.async_save(state, storage_writer=store.dcp_writer(step)).result()
+    else:
+        dcp.save(state, storage_writer=store.dcp_writer(step))
+
+
+def dcp_load(store, model, opt) -> int:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    msd, osd = get_state_dict(model, opt)
+    state = {"model": msd, "optim": osd, "step": -1}
+    dcp.load(state, storage_reader=store.dcp_reader())
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return state["step"]
 
 
 def _locals(value) -> list:

@@ -88,6 +88,12 @@ def test_unsharded_checkpoint_restores_into_fsdp2_at_2_ranks(tmp_path):
     assert restored[0]["diff"] is None
 
 
+def test_fsdp2_overlapped_save_is_exactly_the_saved_step(tmp_path):
+    saved = run(2, "save", tmp_path / "run", tmp_path / "ref.bin", "2", "--overlap")  # training went on at once
+    restored = run(2, "restore", tmp_path / "run", tmp_path / "ref.bin", "2")
+    assert restored[0]["diff"] is None and [r["losses"] for r in restored] == [s["losses"] for s in saved]
+
+
 def test_2d_fsdp_x_tp_mesh_restores_at_another_shape(tmp_path):
     run(4, "save", tmp_path / "run", tmp_path / "ref.bin", "2x2")
     restored = run(2, "restore", tmp_path / "run", tmp_path / "ref.bin", "1x2")
@@ -117,3 +123,54 @@ def test_a_rank_killed_mid_save_commits_nothing_and_the_previous_step_loads(tmp_
     assert committed == ["step_000001"]  # only scratch of step 2 is left, removed by the next save
     restored = run(4, "restore", tmp_path / "run", tmp_path / "ref.bin", "4")
     assert all(r["step"] == 1 for r in restored)
+
+
+# ---- torch.distributed.checkpoint through the store's writer and reader --------------------
+
+def test_dcp_save_at_4_ranks_loads_at_4_and_2_bit_identical(tmp_path):
+    saved = run(4, "save", tmp_path / "run", tmp_path / "ref.bin", "4", "--dcp", "save")
+    manifest = ShardManifest.from_json((tmp_path / "run" / "step_000003" / "manifest.json").read_text())
+    assert manifest.world_size == 4  # committed by the store's protocol, not DCP's .metadata
+    assert not list((tmp_path / "run").rglob("*.distcp")) and not list((tmp_path / "run").rglob(".metadata"))
+    same = run(4, "restore", tmp_path / "run", tmp_path / "ref.bin", "4", "--dcp", "save")
+    assert same[0]["diff"] is None and [r["losses"] for r in same] == [s["losses"] for s in saved]
+    fewer = run(2, "restore", tmp_path / "run", tmp_path / "ref.bin", "2", "--dcp", "save")
+    assert fewer[0]["diff"] is None and all(r["step"] == 3 for r in fewer)
+
+
+def test_dcp_async_save_to_s3_loads_on_fresh_machines(tmp_path, moto_server):
+    bucket = f"dcp-{os.getpid()}"
+    moto_server.make_bucket(bucket)
+    remote = ["--remote", f"s3://{bucket}/run", "--remote-options", json.dumps(moto_server.options())]
+    run(2, "save", tmp_path / "old{rank}", tmp_path / "ref.bin", "2", "--dcp", "async_save", *remote)
+    for rank in range(2):
+        shutil.rmtree(tmp_path / f"old{rank}")
+    restored = run(2, "restore", tmp_path / "new{rank}", tmp_path / "ref.bin", "2", "--dcp", "save", *remote)
+    assert restored[0]["diff"] is None and all(r["step"] == 3 for r in restored)
+
+
+def test_dcp_on_one_process_round_trips(tmp_path):
+    alone("save", tmp_path / "run", tmp_path / "ref.bin", "--dcp", "save")
+    out = alone("restore", tmp_path / "run", tmp_path / "ref.bin", "--dcp", "save")
+    assert out["diff"] is None and out["step"] == 3
+
+
+class Opaque:
+    """Not plain data: loading it back would mean unpickling an arbitrary class."""
+
+
+def test_dcp_refuses_an_entry_it_would_have_to_unpickle(tmp_path):
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from tieredckpt import CheckpointStore
+
+    with CheckpointStore(tmp_path / "run") as store:
+        with pytest.raises(BaseException, match="'extra' is not plain data"):  # DCP wraps it
+            dcp.save({"w": torch.ones(3), "extra": Opaque()}, storage_writer=store.dcp_writer(1), no_dist=True)
+        assert store.list() == []  # nothing committed
+        dcp.save({"w": torch.ones(3), "extra": {"lr": 0.1, "betas": (0.9, 0.95)}},
+                 storage_writer=store.dcp_writer(2), no_dist=True)
+        state = {"w": torch.zeros(3), "extra": {"lr": 0.0, "betas": None}}  # DCP loads the keys asked for
+        dcp.load(state, storage_reader=store.dcp_reader(), no_dist=True)
+        assert torch.equal(state["w"], torch.ones(3)) and state["extra"] == {"lr": 0.1, "betas": (0.9, 0.95)}

@@ -15,6 +15,7 @@ target's own mesh and placements and reads the saved pieces that overlap them.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,12 +29,22 @@ _DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.int8, torch.uint8, torch.bool)}
 
 
+@dataclass
+class Chunk:
+    """A piece of a global tensor given explicitly (a DCP chunk): stored like a DTensor's."""
+    tensor: torch.Tensor
+    global_shape: tuple[int, ...]
+    offset: tuple[int, ...]
+
+
 def is_dtensor(obj: Any) -> bool:
     return type(obj).__name__ == "DTensor" and isinstance(obj, torch.Tensor)
 
 
-def describe(dt: torch.Tensor, where: str) -> tuple[torch.Tensor | None, dict]:
-    """(the local tensor this rank writes, or None; the piece node's fields) of a DTensor."""
+def describe(dt: Any, where: str) -> tuple[torch.Tensor | None, dict]:
+    """(the local tensor this rank writes, or None; the piece node's fields) of a DTensor or Chunk."""
+    if isinstance(dt, Chunk):
+        return dt.tensor, _node(dt.global_shape, dt.offset, dt.tensor.shape, dt.tensor.dtype, where)
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
     placements = dt.placements
     if any(p.is_partial() for p in placements):
@@ -49,11 +60,15 @@ def describe(dt: torch.Tensor, where: str) -> tuple[torch.Tensor | None, dict]:
         raise UnsupportedStateError(f"{where}: local tensor {tuple(local.shape)} is not the {tuple(shape)} piece "
                                     f"its placements {placements} describe (padded shards are not supported)")
     writes = all(c == 0 for c, p in zip(coordinate, placements) if p.is_replicate())
-    dtype = str(local.dtype).removeprefix("torch.")
-    if dtype not in _DTYPES:
-        raise UnsupportedStateError(f"{where}: DTensor of dtype {local.dtype} cannot be stored")
-    node = {"g": list(dt.shape), "o": [int(o) for o in offset], "s": list(shape), "d": dtype}
-    return (local if writes else None), node
+    return (local if writes else None), _node(dt.shape, offset, shape, local.dtype, where)
+
+
+def _node(global_shape, offset, shape, dtype: torch.dtype, where: str) -> dict:
+    name = str(dtype).removeprefix("torch.")
+    if name not in _DTYPES:
+        raise UnsupportedStateError(f"{where}: a sharded tensor of dtype {dtype} cannot be stored")
+    return {"g": [int(x) for x in global_shape], "o": [int(o) for o in offset], "s": [int(x) for x in shape],
+            "d": name}
 
 
 def piece_box(info: Any, source: str) -> tuple[Box, Box, torch.dtype]:

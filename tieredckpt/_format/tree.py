@@ -24,7 +24,7 @@ from typing import Any, Callable
 import torch
 
 from ..errors import CorruptCheckpointError, UnsupportedStateError
-from .pieces import PIECE_TAG, describe, is_dtensor
+from .pieces import PIECE_TAG, Chunk, describe, is_dtensor
 
 _SCALARS = (type(None), bool, int, float, str)
 _MAX_DEPTH = 200
@@ -69,7 +69,7 @@ class _Flattener:
     def walk(self, obj: Any, path: tuple) -> Any:
         if len(path) > _MAX_DEPTH:
             raise UnsupportedStateError(f"state nested deeper than {_MAX_DEPTH} levels at {_where(path)}")
-        if is_dtensor(obj):  # before Tensor: a DTensor is one
+        if is_dtensor(obj) or isinstance(obj, Chunk):  # before Tensor: a DTensor is one
             local, node = describe(obj, _where(path))
             node["t"] = None
             if local is not None:

@@ -28,6 +28,7 @@ from typing import Any, Callable
 import torch
 
 from .._format import tree
+from .._format.pieces import is_dtensor
 from .._format.tree import Staged
 
 
@@ -92,9 +93,9 @@ class StepHold:
             if opt not in self._hooks:
                 self._hooks[opt] = opt.register_step_pre_hook(self._hold)
             for group in opt.param_groups:
-                owned |= {p.untyped_storage().data_ptr() for p in group["params"]}
+                owned |= {_storage(p) for p in group["params"]}
             for per_param in opt.state.values():
-                owned |= {v.untyped_storage().data_ptr() for v in per_param.values() if isinstance(v, torch.Tensor)}
+                owned |= {_storage(v) for v in per_param.values() if isinstance(v, torch.Tensor)}
         return owned
 
     def hold(self) -> None:
@@ -114,6 +115,11 @@ class StepHold:
 
     def _hold(self, optimizer, args, kwargs) -> None:
         self._idle.wait()
+
+
+def _storage(t: torch.Tensor) -> int:
+    """Where a tensor's bytes live: a DTensor (FSDP2) is saved as its local piece."""
+    return (t.to_local() if is_dtensor(t) else t).untyped_storage().data_ptr()
 
 
 def _optimizers(state: Any) -> list:

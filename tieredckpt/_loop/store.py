@@ -528,6 +528,22 @@ class CheckpointStore(AbstractContextManager):
                 self.run.mark_resume(step)
         return state
 
+    def dcp_writer(self, step: int):
+        """A torch.distributed.checkpoint StorageWriter that commits into this store as ``step``:
+        ``dcp.save(state, storage_writer=store.dcp_writer(step))`` (or ``dcp.async_save``), on
+        every rank. The step is committed, rotated and uploaded like one ``save()`` wrote."""
+        from .dcp import TieredWriter
+        self._check_writable()
+        return TieredWriter(self, step)
+
+    def dcp_reader(self, step: int | None = None):
+        """A torch.distributed.checkpoint StorageReader of ``step`` (default: the newest on any
+        tier): ``dcp.load(state, storage_reader=store.dcp_reader())``. Local copies are preferred;
+        a missing or corrupt one is read from the remote (also on a machine with nothing local)."""
+        from .dcp import TieredReader
+        self._check_open()
+        return TieredReader(self, step)
+
     def _resumed_from(self, step: int) -> None:
         """Carry the run's training time on from the restored checkpoint."""
         try:

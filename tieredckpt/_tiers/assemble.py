@@ -112,7 +112,8 @@ class PieceFile:
 
 def assemble(open_file: Callable[[int], PieceFile], manifest: ShardManifest, rank: int, targets: Targets,
              source: str) -> Any:
-    """This rank's state, its DTensor leaves built from the saved pieces that overlap what it wants."""
+    """This rank's state, its DTensor leaves built from the saved pieces that overlap what it wants
+    (the caller closes the files ``open_file`` opened)."""
     files = [open_file(r) for r in range(manifest.world_size)]  # 1. headers (and checks) of every shard
     index: dict[tuple, list[tuple[int, dict]]] = defaultdict(list)
     for r, f in enumerate(files):
@@ -150,11 +151,7 @@ def assemble(open_file: Callable[[int], PieceFile], manifest: ShardManifest, ran
             out[part.relative_to(box)] = t[part.relative_to(b)]
         return wrap(out)
 
-    try:
-        return tree.unflatten(base.skeleton, plain, str(base.path), count=len(base.names), on_piece=piece)
-    finally:
-        for f in files:
-            f.close()
+    return tree.unflatten(base.skeleton, plain, str(base.path), count=len(base.names), on_piece=piece)
 
 
 def _index(t: Any, f: PieceFile) -> int:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+from contextlib import ExitStack, contextmanager
 import warnings
 from pathlib import Path
 from typing import Any, Callable
@@ -176,12 +177,20 @@ class Restorer:
         return False
 
     def _load_assembled(self, step: int, local_steps: list[int], remote_steps) -> Any:
-        """This rank's state from the pieces it needs (assemble.py): the local shards when they
-        hold the step and verify, else the remote's, fetched into scratch."""
-        path = self.local.step_path(step)
+        """This rank's state from the pieces it needs (assemble.py)."""
+        return self.read_pieces(step, local_steps, remote_steps,
+                                lambda manifest, open_file, where: assemble(open_file, manifest, self.rank,
+                                                                            self.targets, where))
+
+    def read_pieces(self, step: int, local_steps: list[int], remote_steps, read: Callable) -> Any:
+        """``read(manifest, open_file(rank) -> PieceFile, where)`` on ``step``'s shards, read piece
+        by piece: the local shards when the local tier holds the step and they verify, else (a
+        refusal, with a warning) the remote's, fetched whole into scratch that is removed after.
+        A node-local directory lacks other nodes' shards: those come from the remote too."""
         if step in local_steps:
             try:
-                return self._assemble_from(step, self.local.manifest(step), path, None)
+                with self._files(step, self.local.manifest(step), self.local.step_path(step), None) as opened:
+                    return read(*opened)
             except CorruptCheckpointError as exc:
                 if step not in remote_steps:
                     raise
@@ -189,52 +198,66 @@ class Restorer:
         elif step not in remote_steps:
             raise CheckpointNotFoundError(f"step {step}: not in {self.local.root} nor on the remote")
         upload = self._upload(step)
-        return self._assemble_from(step, upload.shard_manifest, None, upload)
+        with self._files(step, upload.shard_manifest, None, upload) as opened:
+            return read(*opened)
 
-    def _assemble_from(self, step: int, manifest: ShardManifest, here: Path | None, upload) -> Any:
-        """Assemble from the shards in ``here`` -- a node-local dir may lack other nodes' shards:
-        those, or all of them with ``upload``, are fetched whole from the remote into scratch."""
+    @contextmanager
+    def opened_pieces(self, step: int):
+        """(every rank's shard of ``step`` opened as a PieceFile, where) for as long as the caller
+        reads: local when the local tier holds it and every file opens clean, else the remote's."""
+        local_steps, remote_steps = self.local.steps(), RemoteSteps(self.remote)
+        self._uploads = {}
+        with ExitStack() as stack:
+            opened = stack.enter_context(self._pieces_at(step, local_steps, remote_steps))
+            yield opened
+
+    @contextmanager
+    def _pieces_at(self, step: int, local_steps: list[int], remote_steps):
+        """The local shards, or (when they are absent or refuse to open) the remote's, all opened."""
+        stack = ExitStack()
+        try:
+            if step in local_steps:
+                try:
+                    manifest, open_file, where = stack.enter_context(
+                        self._files(step, self.local.manifest(step), self.local.step_path(step), None))
+                    files = [open_file(r) for r in range(manifest.world_size)]
+                except CorruptCheckpointError as exc:
+                    stack.close()
+                    if step not in remote_steps:
+                        raise
+                    _warn(f"{exc}; reading step {step} from the remote copy instead")
+                else:
+                    yield files, where
+                    return
+            elif step not in remote_steps:
+                raise CheckpointNotFoundError(f"step {step}: not in {self.local.root} nor on the remote")
+            upload = self._upload(step)
+            manifest, open_file, where = stack.enter_context(self._files(step, upload.shard_manifest, None, upload))
+            yield [open_file(r) for r in range(manifest.world_size)], where
+        finally:
+            stack.close()
+
+    @contextmanager
+    def _files(self, step: int, manifest: ShardManifest, here: Path | None, upload):
+        opened: list[PieceFile] = []
         with self._scratch(step) as tmp:
             def open_file(rank: int) -> PieceFile:
                 entry = manifest.shards[rank]
                 if here is not None and (here / entry.path).exists():
-                    return PieceFile(here / entry.path, entry, self.verify)
+                    opened.append(PieceFile(here / entry.path, entry, self.verify))
+                    return opened[-1]
                 if self.remote is None:
                     raise CheckpointNotFoundError(f"{here}: holds no shard of rank {rank} and there is no remote "
                                                   "to fetch it from (node-local directories need a remote)")
                 self._fetch_shard(upload or self._upload(step), entry, tmp)
-                return PieceFile(tmp / entry.path, entry, self.verify)
+                opened.append(PieceFile(tmp / entry.path, entry, self.verify))
+                return opened[-1]
             where = here if here is not None else self.remote.where(layout.step_dir_name(step))
-            return assemble(open_file, manifest, self.rank, self.targets, str(where))
-
-    def _saved_manifest(self, step: int, local_steps: list[int]) -> ShardManifest:
-        if step in local_steps:
-            return self.local.manifest(step)
-        if self.remote is None:
-            raise CheckpointNotFoundError(f"step {step}: not in {self.local.root}")
-        return self._upload(step).shard_manifest
-
-    def _load_resharded(self, step: int, local_steps: list[int]) -> Any:
-        """Every source shard (local, or fetched from the remote), re-split; this rank's part."""
-        manifest = self._saved_manifest(step, local_steps)
-        path = self.local.step_path(step)
-        states = []
-        for entry in manifest.shards:
             try:
-                states.append(read_shard(shard_path(path, entry), size=entry.size, crc32c=entry.crc32c,
-                                         sha256=entry.sha256, verify=self.verify))
-            except (CorruptCheckpointError, FileNotFoundError):
-                if self.remote is None:
-                    raise
-                upload = self._upload(step)
-                with self._scratch(step) as tmp:  # the mapping outlives the scratch file
-                    self._fetch_shard(upload, entry, tmp)
-                    states.append(read_shard(tmp / entry.path, size=entry.size, crc32c=entry.crc32c,
-                                             verify=self.verify))
-        spans = [(e.param_shard_offset, e.param_shard_numel) for e in manifest.shards]
-        world = self.ranks.world_size if self.ranks else 1
-        log.info("resharding step %d from %d to %d ranks", step, manifest.world_size, world)
-        return reshard_states(states, spans, world)[0][self.rank]
+                yield manifest, open_file, str(where)
+            finally:
+                for f in opened:
+                    f.close()
 
     def _agree(self, fn: Callable[[], Any], what: str) -> Any:
         """Run ``fn`` on every rank; if it fails anywhere, raise everywhere (no rank goes on alone).
@@ -314,13 +337,13 @@ class Restorer:
         if self.read_only:  # a reader writes nothing: fetch into a private temp dir, load, drop it
             upload = self._upload(step)
             if upload.shard_manifest.layout == "dtensor":
-                return self._assemble_from(step, upload.shard_manifest, None, upload)
+                return self._load_assembled(step, [], remote_steps)
             with scratch_dir(None) as tmp:
                 self.remote.fetch_files(upload, upload.files, tmp)
                 return load_sharded_files(tmp, upload.shard_manifest, self.verify)[0]
         self.local.download(step, self.remote, verify=self.verify)
         if self.local.manifest(step).layout == "dtensor":
-            return self._assemble_from(step, self.local.manifest(step), self.local.step_path(step), None)
+            return self._load_assembled(step, [step], remote_steps)
         # download() verified every file in this same mode before committing it
         return self.local.load(step, world_size=1, verify="none")[0]
 
