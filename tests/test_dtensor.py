@@ -112,6 +112,19 @@ def test_fresh_machines_restore_fsdp2_state_from_s3_at_another_world_size(tmp_pa
     assert restored[0]["diff"] is None and all(r["step"] == 3 for r in restored)
 
 
+def test_a_corrupt_local_piece_is_refused_and_read_from_the_remote(tmp_path, moto_server):
+    bucket = f"rot-{os.getpid()}"
+    moto_server.make_bucket(bucket)
+    remote = ["--remote", f"s3://{bucket}/run", "--remote-options", json.dumps(moto_server.options())]
+    run(2, "save", tmp_path / "run", tmp_path / "ref.bin", "2", *remote)
+    shard = tmp_path / "run" / "step_000003" / "rank1.bin"
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0x40  # one bit of one saved piece rots on the local disk
+    shard.write_bytes(bytes(data))
+    restored = run(2, "restore", tmp_path / "run", tmp_path / "ref.bin", "2", *remote)
+    assert restored[0]["diff"] is None and all(r["step"] == 3 for r in restored)
+
+
 def test_a_rank_killed_mid_save_commits_nothing_and_the_previous_step_loads(tmp_path):
     procs = launch(4, [str(WORKER), "killed", str(tmp_path / "run"), str(tmp_path / "ref.bin"),
                        "--mesh", "4", "--kill-rank", "2"])

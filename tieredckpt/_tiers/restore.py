@@ -178,64 +178,74 @@ class Restorer:
 
     def _load_assembled(self, step: int, local_steps: list[int], remote_steps) -> Any:
         """This rank's state from the pieces it needs (assemble.py)."""
-        return self.read_pieces(step, local_steps, remote_steps,
-                                lambda manifest, open_file, where: assemble(open_file, manifest, self.rank,
-                                                                            self.targets, where))
-
-    def read_pieces(self, step: int, local_steps: list[int], remote_steps, read: Callable) -> Any:
-        """``read(manifest, open_file(rank) -> PieceFile, where)`` on ``step``'s shards, read piece
-        by piece: the local shards when the local tier holds the step and they verify, else (a
-        refusal, with a warning) the remote's, fetched whole into scratch that is removed after.
-        A node-local directory lacks other nodes' shards: those come from the remote too."""
-        if step in local_steps:
+        for manifest, here, upload in self._sources(step, local_steps, remote_steps):
             try:
-                with self._files(step, self.local.manifest(step), self.local.step_path(step), None) as opened:
-                    return read(*opened)
+                with self._files(step, manifest, here, upload) as (manifest, open_file, where):
+                    return assemble(open_file, manifest, self.rank, self.targets, where)
             except CorruptCheckpointError as exc:
-                if step not in remote_steps:
-                    raise
-                _warn(f"{exc}; reading step {step} from the remote copy instead")
-        elif step not in remote_steps:
-            raise CheckpointNotFoundError(f"step {step}: not in {self.local.root} nor on the remote")
-        upload = self._upload(step)
-        with self._files(step, upload.shard_manifest, None, upload) as opened:
-            return read(*opened)
+                self._fall_back(step, here, remote_steps, exc)
 
     @contextmanager
     def opened_pieces(self, step: int):
-        """(every rank's shard of ``step`` opened as a PieceFile, where) for as long as the caller
-        reads: local when the local tier holds it and every file opens clean, else the remote's."""
+        """(every rank's shard of ``step`` opened as a PieceFile, where), open while the caller
+        reads (the DCP reader): the local shards if every one opens clean, else the remote's."""
         local_steps, remote_steps = self.local.steps(), RemoteSteps(self.remote)
         self._uploads = {}
-        with ExitStack() as stack:
-            opened = stack.enter_context(self._pieces_at(step, local_steps, remote_steps))
-            yield opened
-
-    @contextmanager
-    def _pieces_at(self, step: int, local_steps: list[int], remote_steps):
-        """The local shards, or (when they are absent or refuse to open) the remote's, all opened."""
-        stack = ExitStack()
-        try:
-            if step in local_steps:
+        for manifest, here, upload in self._sources(step, local_steps, remote_steps):
+            with ExitStack() as stack:
                 try:
-                    manifest, open_file, where = stack.enter_context(
-                        self._files(step, self.local.manifest(step), self.local.step_path(step), None))
+                    manifest, open_file, where = stack.enter_context(self._files(step, manifest, here, upload))
                     files = [open_file(r) for r in range(manifest.world_size)]
                 except CorruptCheckpointError as exc:
-                    stack.close()
-                    if step not in remote_steps:
-                        raise
-                    _warn(f"{exc}; reading step {step} from the remote copy instead")
-                else:
-                    yield files, where
-                    return
-            elif step not in remote_steps:
-                raise CheckpointNotFoundError(f"step {step}: not in {self.local.root} nor on the remote")
-            upload = self._upload(step)
-            manifest, open_file, where = stack.enter_context(self._files(step, upload.shard_manifest, None, upload))
-            yield [open_file(r) for r in range(manifest.world_size)], where
-        finally:
-            stack.close()
+                    self._fall_back(step, here, remote_steps, exc)
+                    continue
+                yield files, where
+                return
+
+    def _sources(self, step: int, local_steps: list[int], remote_steps):
+        """Where to read ``step`` piece by piece, preferred first: (manifest, local dir, None) when
+        the local tier holds it, then (manifest, None, upload manifest) when the remote does."""
+        if step in local_steps:
+            yield self.local.manifest(step), self.local.step_path(step), None
+        elif step not in remote_steps:
+            raise CheckpointNotFoundError(f"step {step}: not in {self.local.root} nor on the remote")
+        upload = self._upload(step)
+        yield upload.shard_manifest, None, upload
+
+    def _fall_back(self, step: int, here: Path | None, remote_steps, exc: Exception) -> None:
+        """A refused local copy: go on to the remote's (with a warning), or re-raise."""
+        if here is None or step not in remote_steps:
+            raise exc
+        _warn(f"{exc}; reading step {step} from the remote copy instead")
+
+    def _saved_manifest(self, step: int, local_steps: list[int]) -> ShardManifest:
+        if step in local_steps:
+            return self.local.manifest(step)
+        if self.remote is None:
+            raise CheckpointNotFoundError(f"step {step}: not in {self.local.root}")
+        return self._upload(step).shard_manifest
+
+    def _load_resharded(self, step: int, local_steps: list[int]) -> Any:
+        """Every source shard (local, or fetched from the remote), re-split; this rank's part."""
+        manifest = self._saved_manifest(step, local_steps)
+        path = self.local.step_path(step)
+        states = []
+        for entry in manifest.shards:
+            try:
+                states.append(read_shard(shard_path(path, entry), size=entry.size, crc32c=entry.crc32c,
+                                         sha256=entry.sha256, verify=self.verify))
+            except (CorruptCheckpointError, FileNotFoundError):
+                if self.remote is None:
+                    raise
+                upload = self._upload(step)
+                with self._scratch(step) as tmp:  # the mapping outlives the scratch file
+                    self._fetch_shard(upload, entry, tmp)
+                    states.append(read_shard(tmp / entry.path, size=entry.size, crc32c=entry.crc32c,
+                                             verify=self.verify))
+        spans = [(e.param_shard_offset, e.param_shard_numel) for e in manifest.shards]
+        world = self.ranks.world_size if self.ranks else 1
+        log.info("resharding step %d from %d to %d ranks", step, manifest.world_size, world)
+        return reshard_states(states, spans, world)[0][self.rank]
 
     @contextmanager
     def _files(self, step: int, manifest: ShardManifest, here: Path | None, upload):
