@@ -187,3 +187,23 @@ def test_dcp_refuses_an_entry_it_would_have_to_unpickle(tmp_path):
         state = {"w": torch.zeros(3), "extra": {"lr": 0.0, "betas": None}}  # DCP loads the keys asked for
         dcp.load(state, storage_reader=store.dcp_reader(), no_dist=True)
         assert torch.equal(state["w"], torch.ones(3)) and state["extra"] == {"lr": 0.1, "betas": (0.9, 0.95)}
+
+
+def test_dcp_load_of_a_corrupt_chunk_raises_before_touching_any_tensor(tmp_path):
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from tieredckpt import CheckpointStore
+
+    with CheckpointStore(tmp_path / "run") as store:
+        dcp.save({"a": torch.ones(1000), "b": torch.full((1000,), 2.0)}, storage_writer=store.dcp_writer(1),
+                 no_dist=True)
+    shard = tmp_path / "run" / "step_000001" / "rank0.bin"
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0x01  # the last chunk ("b") rots
+    shard.write_bytes(bytes(data))
+    state = {"a": torch.zeros(1000), "b": torch.zeros(1000)}
+    with CheckpointStore(tmp_path / "run") as store:
+        with pytest.raises(BaseException, match="'dcp/tensors/1/1' fails its crc32c"):
+            dcp.load(state, storage_reader=store.dcp_reader(), no_dist=True)
+    assert torch.equal(state["a"], torch.zeros(1000)) and torch.equal(state["b"], torch.zeros(1000))

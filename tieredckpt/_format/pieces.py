@@ -45,22 +45,40 @@ def describe(dt: Any, where: str) -> tuple[torch.Tensor | None, dict]:
     """(the local tensor this rank writes, or None; the piece node's fields) of a DTensor or Chunk."""
     if isinstance(dt, Chunk):
         return dt.tensor, _node(dt.global_shape, dt.offset, dt.tensor.shape, dt.tensor.dtype, where)
+    layout = _layout(dt, where)
+    local = getattr(dt, "_local_tensor", None)
+    local = dt.to_local() if local is None else local  # the attribute skips an autograd call per leaf
+    if tuple(local.shape) != layout[0]:
+        raise UnsupportedStateError(f"{where}: local tensor {tuple(local.shape)} is not the {layout[0]} piece "
+                                    f"its placements {dt.placements} describe (padded shards are not supported)")
+    shape, offset, writes = layout
+    return (local if writes else None), _node(dt.shape, offset, shape, local.dtype, where)
+
+
+_LAYOUTS: dict = {}  # DTensor spec -> (local shape, global offset, writes): the same every save
+
+
+def _layout(dt: Any, where: str) -> tuple[tuple, tuple, bool]:
+    spec = getattr(dt, "_spec", None)
+    if spec is not None and spec in _LAYOUTS:
+        return _LAYOUTS[spec]
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-    placements = dt.placements
+    placements, mesh = dt.placements, dt.device_mesh
     if any(p.is_partial() for p in placements):
         raise UnsupportedStateError(f"{where}: a DTensor with a Partial placement {placements} holds unreduced "
                                     "values; redistribute it (e.g. to Replicate) before saving")
-    mesh = dt.device_mesh
     coordinate = mesh.get_coordinate()
     if coordinate is None:
         raise UnsupportedStateError(f"{where}: this rank is not in the DTensor's mesh {mesh}")
     shape, offset = compute_local_shape_and_global_offset(dt.shape, mesh, placements)
-    local = dt.to_local()
-    if tuple(local.shape) != tuple(shape):
-        raise UnsupportedStateError(f"{where}: local tensor {tuple(local.shape)} is not the {tuple(shape)} piece "
-                                    f"its placements {placements} describe (padded shards are not supported)")
+    # along every mesh dimension where the tensor is replicated only coordinate 0 writes it
     writes = all(c == 0 for c, p in zip(coordinate, placements) if p.is_replicate())
-    return (local if writes else None), _node(dt.shape, offset, shape, local.dtype, where)
+    layout = (tuple(int(x) for x in shape), tuple(int(x) for x in offset), writes)
+    if spec is not None:
+        if len(_LAYOUTS) > 65536:
+            _LAYOUTS.clear()
+        _LAYOUTS[spec] = layout
+    return layout
 
 
 def _node(global_shape, offset, shape, dtype: torch.dtype, where: str) -> dict:

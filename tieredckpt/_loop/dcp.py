@@ -95,7 +95,7 @@ class TieredWriter(StorageWriter):
             results.append(WriteResult(index=item.index, size_in_bytes=size, storage_data=None))
         mappings = [[k, list(v)] for k, v in self._mappings.items()]
         state = {"dcp": {"version": VERSION, "tensors": tensors, "bytes": values, "mappings": mappings}}
-        self.store.save(self.step, state).wait()  # every rank: one commit for the whole world
+        self.store.commit_unstaged(self.step, state)  # every rank: one commit for the whole world
         return _done(results)
 
     def finish(self, metadata, results) -> None:
@@ -177,18 +177,27 @@ class TieredReader(StorageReader):
         if self._stack is None:
             self.read_metadata()
         try:
+            # Every chunk the plan names is read and verified first, and only then copied into
+            # the state DCP loads into: a bad chunk raises before any live tensor is touched.
             cache: dict[tuple, torch.Tensor] = {}
+            values = {}
             for item in plan.items:
                 fqn = item.storage_index.fqn
                 if item.type == LoadItemType.BYTE_IO:
                     if fqn not in self._values:
                         raise CorruptCheckpointError(f"DCP entry {fqn!r} is not in the checkpoint")
+                    values[fqn] = _materialize(self._values[fqn])
+                else:
+                    self._chunk(fqn, tuple(item.storage_index.offset or ()), cache)
+            for item in plan.items:
+                fqn = item.storage_index.fqn
+                if item.type == LoadItemType.BYTE_IO:
                     buffer = io.BytesIO()
-                    torch.save(_materialize(self._values[fqn]), buffer)  # plain values, made here
+                    torch.save(values[fqn], buffer)  # plain values, made here
                     buffer.seek(0)
                     planner.load_bytes(item, buffer)
                     continue
-                src = self._chunk(fqn, tuple(item.storage_index.offset or ()), cache)
+                src = cache[(fqn, tuple(item.storage_index.offset or ()))]
                 for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths)):
                     src = src.narrow(dim, start, length)
                 target = planner.resolve_tensor(item).detach()

@@ -43,12 +43,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from .._format import layout
+from .._format import layout, tree
 from .._format.codec import MAX_LEVEL
 from .._format.layout import CODECS
 from .._format.manifest import ShardManifest
 from .._format.phases import collecting
 from .._format.shardfile import VERIFY_MODES
+from .._format.tree import Staged
 from .._tiers.lease import WriterLease
 from .._tiers.local import LocalTier
 from .._tiers.ranks import RankGroup, commit_rank, node_key
@@ -326,6 +327,21 @@ class CheckpointStore(AbstractContextManager):
         self._pending = SaveHandle(step, future, self._hold)
         self._stats.blocked(cost["blocked_s"])
         return self._pending
+
+    def commit_unstaged(self, step: int, state: Any) -> ShardManifest:
+        """Write ``state`` as ``step`` on the writer thread and wait for the commit, with no staging
+        copy: for a caller that leaves the tensors unchanged until this returns (the DCP writer,
+        inside ``dcp.save``, or on ``dcp.async_save``'s own staged copy). Every rank calls it."""
+        self._check_writable()
+        self._finish_pending()
+        if self.uploader is not None:
+            self.uploader.wait_for_room()
+        if (self.local.step_path(step) / layout.MANIFEST).exists():
+            raise CheckpointExistsError(f"{self.local.step_path(step)}: step {step} is already committed")
+        staged = Staged(*tree.flatten(state))
+        future = self._writer.submit(self._write, step, staged, None, None, {"blocked_s": 0.0, "staging_s": 0.0})
+        self._pending = SaveHandle(step, future)
+        return self._pending.wait()
 
     def _write(self, step: int, staged, user, param_span, cost: dict, rest=None) -> ShardManifest:
         # Runs on the writer thread. Order: (overlap) the deferred copy, then the optimizers'
