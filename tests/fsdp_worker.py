@@ -124,6 +124,7 @@ def main() -> None:
     p.add_argument("--remote-options", default="{}")
     p.add_argument("--kill-rank", type=int, default=-1)
     p.add_argument("--overlap", action="store_true", help="save with overlap=True")
+    p.add_argument("--part-size", type=int, default=64 << 20, help="upload part size")
     p.add_argument("--dcp", choices=["save", "async_save"], help="save and load with torch.distributed.checkpoint")
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -142,7 +143,14 @@ def main() -> None:
         reads[0] += len(view)
         return real(fd, view, offset)
     assemble._pread_into = counting
-    with CheckpointStore(args.run_dir.format(rank=rank), args.remote, every=1,
+    from tieredckpt._tiers.remote import RemoteTier
+    fetched, real_fetch = [0], RemoteTier.fetch_part
+
+    def counting_fetch(self, upload, fd, part):  # every part a restore downloads passes here
+        fetched[0] += part.raw_size
+        return real_fetch(self, upload, fd, part)
+    RemoteTier.fetch_part = counting_fetch
+    with CheckpointStore(args.run_dir.format(rank=rank), args.remote, every=1, upload_part_size=args.part_size,
                          remote_options=json.loads(args.remote_options)) as store:
         state = lambda step: {"model": model, "optim": opt, "step": step}  # noqa: E731
         if args.scenario == "save":
@@ -163,7 +171,7 @@ def main() -> None:
                 out["step"] = dcp_load(store, model, opt)
             else:
                 out["step"] = store.restore(into={"model": model, "optim": opt})["step"]
-            out["read"] = reads[0]
+            out["read"], out["fetched"] = reads[0], fetched[0]
             out["need"] = sum(t.numel() * t.element_size() for t in _locals(model.state_dict()) +
                               _locals(opt.state_dict()["state"]))
             got = full_state(model, opt)

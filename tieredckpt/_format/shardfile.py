@@ -62,11 +62,14 @@ def write_flattened(path, skeleton, tensors: list[torch.Tensor], names: list[str
                     sha256: bool = True) -> Digest:
     """Write already-flattened state (see :func:`tree.flatten`) in one streaming pass."""
     arrays = [_as_bytes(t, name) for t, name in zip(tensors, names)]
-    order = sorted(range(len(tensors)), key=lambda i: -tensors[i].element_size())
-    # A state with DTensor pieces is read piece by piece when resharded (no rank reads whole
-    # shards it does not need), so each tensor carries a crc32c of its own: one more pass
-    # over the bytes, on the writer thread, before the header that records them.
-    crcs = [crc_hex(crc32c_update(a)) for a in arrays] if tree.piece_nodes(skeleton) else None
+    pieces = {n.get("t") for _, n in tree.piece_nodes(skeleton) if isinstance(n, dict)}
+    # Largest item size first keeps every tensor aligned. A state with DTensor pieces is read
+    # piece by piece when resharded (no rank reads whole shards it does not need): its plain
+    # tensors (step counts, RNG), which every restoring rank reads, come first, next to the
+    # header, and each tensor carries a crc32c of its own -- one more pass over the bytes, on
+    # the writer thread, before the header that records them.
+    order = sorted(range(len(tensors)), key=lambda i: (i in pieces, -tensors[i].element_size()))
+    crcs = [crc_hex(crc32c_update(a)) for a in arrays] if pieces else None
     header_bytes = _encode_header(skeleton, tensors, names, order, crcs)
     digest = StreamDigest(sha256=sha256)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)

@@ -52,10 +52,15 @@ def _pread_into(fd: int, view: memoryview, offset: int) -> int:
 
 
 class PieceFile:
-    """One shard file opened for reading tensor by tensor, each checked on its own."""
+    """One shard file opened for reading tensor by tensor, each checked on its own.
 
-    def __init__(self, path: Path, entry: ShardEntry, verify: str) -> None:
+    ``ensure(start, end)``, when given, is called before any byte range is read: a shard
+    fetched from the remote is a sparse file whose parts arrive only when first needed."""
+
+    def __init__(self, path: Path, entry: ShardEntry, verify: str,
+                 ensure: Callable[[int, int], None] | None = None) -> None:
         self.path, self.verify = path, verify
+        self.ensure = ensure or (lambda start, end: None)
         self.f = open_checked(path.parent, path.name, 1 << 62, f"shard of rank {entry.rank}")
         try:
             if self.f.size != entry.size:
@@ -70,7 +75,9 @@ class PieceFile:
 
     def _read_header(self) -> None:
         source = str(self.path)
+        self.ensure(0, 8)
         n = header_length(os.pread(self.f.fd, 8, 0), self.f.size, source)
+        self.ensure(8, 8 + n)
         header = parse_header(os.pread(self.f.fd, n, 8), self.f.size - 8 - n, source)
         self.data_start = 8 + n
         try:
@@ -87,6 +94,7 @@ class PieceFile:
         self.header = header
 
     def _check_whole(self, entry: ShardEntry) -> None:
+        self.ensure(0, self.f.size)
         got = self.f.digest(sha256=self.verify == "sha256")
         if got.crc32c != entry.crc32c or (self.verify == "sha256" and got.sha256 != entry.sha256):
             raise ChecksumMismatchError(f"{self.path}: its checksum does not match the manifest's (corrupt)")
@@ -101,6 +109,7 @@ class PieceFile:
         view = byte_view(out.view(-1)) if out.numel() else memoryview(b"")
         if len(view) != end - start:
             raise CorruptCheckpointError(f"{self.path}: tensor {self.names[index]!r} has the wrong size")
+        self.ensure(self.data_start + start, self.data_start + end)
         _pread_into(self.f.fd, view, self.data_start + start)
         if self.crcs is not None and self.verify == "crc" and crc_hex(crc32c_update(view)) != self.crcs[index]:
             raise ChecksumMismatchError(f"{self.path}: tensor {self.names[index]!r} fails its crc32c (corrupt)")

@@ -255,6 +255,10 @@ class RemoteTier:
             for fd in fds:
                 os.close(fd)
 
+    def fetch_part(self, upload: UploadManifest, fd: int, part: PartEntry) -> None:
+        """One part, verified (stored and decoded crc32c), written at its offset into ``fd``."""
+        self._fetch_part(upload, fd, part, None)
+
     def _fetch_part(self, upload: UploadManifest, fd: int, part: PartEntry, progress) -> None:
         from .._format.codec import decode_into  # torch: only when something is fetched
         rel = f"{layout.step_dir_name(upload.step)}/{part.path}"

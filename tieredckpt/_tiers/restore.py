@@ -259,8 +259,8 @@ class Restorer:
                 if self.remote is None:
                     raise CheckpointNotFoundError(f"{here}: holds no shard of rank {rank} and there is no remote "
                                                   "to fetch it from (node-local directories need a remote)")
-                self._fetch_shard(upload or self._upload(step), entry, tmp)
-                opened.append(PieceFile(tmp / entry.path, entry, self.verify))
+                fetcher = SparseFetch(self.remote, upload or self._upload(step), rank, tmp / entry.path)
+                opened.append(PieceFile(tmp / entry.path, entry, self.verify, ensure=fetcher.ensure))
                 return opened[-1]
             where = here if here is not None else self.remote.where(layout.step_dir_name(step))
             try:
@@ -366,6 +366,34 @@ class Restorer:
         if _bad(dest, entry):
             raise CorruptCheckpointError(f"{self.remote.where(layout.step_dir_name(upload.step), entry.path)}: "
                                          f"crc32c differs from the manifest's {entry.crc32c}")
+
+
+class SparseFetch:
+    """A remote shard as a sparse local file whose parts are fetched (and verified) the first time
+    a read needs a byte of them: a rank reading some pieces downloads only the parts they lie in."""
+
+    def __init__(self, remote: RemoteTier, upload, rank: int, path: Path) -> None:
+        self.remote, self.upload, self.path = remote, upload, path
+        self.file = upload.files[rank]
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)  # in our own scratch dir
+        try:
+            os.ftruncate(fd, self.file.size)
+        finally:
+            os.close(fd)
+        self.fetched: set[int] = set()
+
+    def ensure(self, start: int, end: int) -> None:
+        wanted = [(i, part) for i, part in enumerate(self.file.parts)
+                  if i not in self.fetched and part.offset < end and start < part.offset + part.raw_size]
+        if not wanted:
+            return
+        fd = os.open(self.path, os.O_RDWR)
+        try:
+            for i, part in wanted:
+                self.remote.fetch_part(self.upload, fd, part)
+                self.fetched.add(i)
+        finally:
+            os.close(fd)
 
 
 class RemoteSteps:
