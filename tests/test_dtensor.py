@@ -223,3 +223,45 @@ def test_dcp_load_of_a_corrupt_chunk_raises_before_touching_any_tensor(tmp_path)
         with pytest.raises(BaseException, match="'dcp/tensors/1/1' fails its crc32c"):
             dcp.load(state, storage_reader=store.dcp_reader(), no_dist=True)
     assert torch.equal(state["a"], torch.zeros(1000)) and torch.equal(state["b"], torch.zeros(1000))
+
+
+@pytest.mark.parametrize("edit", [
+    (rb'\"o\":[0]', rb'\"o\":[9]'),              # a piece that lies outside its global tensor
+    (rb'\"g\":[1000]', rb'\"g\":[9999]'),        # another global shape than the target's
+    (rb'\"d\":\"float32\"', rb'\"d\":\"float64\"'),  # a dtype that does not match its bytes
+    (rb'\"t\":1', rb'\"t\":7'),                  # a piece naming a tensor the shard does not hold
+])
+@pytest.mark.parametrize("unchecked_header", [False, True])
+def test_a_hostile_piece_node_is_refused_by_name_and_nothing_loads(tmp_path, edit, unchecked_header):
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from tieredckpt import CheckpointStore, CorruptCheckpointError
+
+    with CheckpointStore(tmp_path / "run") as store:  # one process: DCP chunks are stored as pieces too
+        dcp.save({"a": torch.ones(1000), "b": torch.full((1000,), 2.0)}, storage_writer=store.dcp_writer(1),
+                 no_dist=True)
+    shard = tmp_path / "run" / "step_000001" / "rank0.bin"
+    data = shard.read_bytes()
+    old, new = edit
+    assert old in data and len(old) == len(new)
+    shard.write_bytes(data.replace(old, new, 1))  # the header changes: its crc32c in the manifest no longer matches
+    if unchecked_header:  # as a manifest without header checksums (or one forged with it): the nodes are checked
+        import json as _json
+
+        from tieredckpt._format.manifest import DIGEST_KEY, canonical_digest
+        path = tmp_path / "run" / "step_000001" / "manifest.json"
+        raw = _json.loads(path.read_text())
+        raw.pop(DIGEST_KEY)
+        raw["shards"][0]["header_crc32c"] = ""
+        raw[DIGEST_KEY] = canonical_digest(raw)
+        path.write_text(_json.dumps(raw))
+    state = {"a": torch.zeros(1000), "b": torch.zeros(1000)}
+    with CheckpointStore(tmp_path / "run") as store:
+        # (a forged global shape with no header checksum is, to DCP, a checkpoint of another size)
+        with pytest.raises(BaseException, match=r"rank0\.bin|Size mismatch between saved") as failure:
+            dcp.load(state, storage_reader=store.dcp_reader(), no_dist=True)
+        assert "Traceback" not in str(failure.value).split("\n")[-1]
+        with pytest.raises(CorruptCheckpointError, match=r"step_000001.*(rank0\.bin|dcp/tensors/0/1)"):
+            store.restore()
+    assert torch.equal(state["a"], torch.zeros(1000)) and torch.equal(state["b"], torch.zeros(1000))

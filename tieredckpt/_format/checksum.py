@@ -87,6 +87,7 @@ class Digest:
     size: int
     crc32c: str
     sha256: str | None
+    header_crc32c: str = ""  # a pieces shard's header alone: piecewise reads check it, not the file
 
 
 class StreamDigest:

@@ -47,6 +47,7 @@ class ShardEntry:
     size: int
     crc32c: str
     codec: str = "raw"
+    header_crc32c: str = ""  # shards with DTensor pieces: crc32c of the length prefix and header
 
 
 @dataclass(frozen=True)
@@ -179,9 +180,12 @@ def _shard(raw: object, where: str) -> ShardEntry:
     codec = raw.get("codec", "raw")
     if codec not in CODECS:
         raise ManifestError(f"{where}: unknown codec {codec!r}")
+    head = raw.get("header_crc32c", "")
+    if not isinstance(head, str) or head and not _HEX8.match(head):
+        raise ManifestError(f"{where}: header_crc32c {head!r} is not 8 lowercase hex digits")
     return ShardEntry(rank=_int(raw, "rank", where), path=check_relative_path(raw.get("path"), where),
                       sha256=sha, param_shard_offset=offset, param_shard_numel=numel,
-                      size=_int(raw, "size", where), crc32c=crc, codec=codec)
+                      size=_int(raw, "size", where), crc32c=crc, codec=codec, header_crc32c=head)
 
 
 def _int(raw: dict, key: str, where: str, minimum: int = 0) -> int:

@@ -18,6 +18,7 @@ Nothing is unpickled or evaluated.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -84,7 +85,10 @@ def write_flattened(path, skeleton, tensors: list[torch.Tensor], names: list[str
         raise
     finally:
         os.close(fd)
-    return digest.finish()
+    done = digest.finish()
+    if pieces:  # read piece by piece, the header is checked on its own against the manifest
+        done = dataclasses.replace(done, header_crc32c=crc_hex(crc32c_update(header_bytes)))
+    return done
 
 
 def _emit(fd: int, digest: StreamDigest, view: memoryview) -> None:

@@ -219,7 +219,12 @@ class TieredReader(StorageReader):
             t = node.get("t")
             if type(t) is not int or not 0 <= t < len(f.names):
                 raise CorruptCheckpointError(f"{f.path}: chunk of {fqn!r} names tensor {t!r}")
-            cache[key] = f.tensor(t)
+            tensor = f.tensor(t)
+            box, _, dtype = piece_box(node, str(f.path))
+            if tuple(tensor.shape) != box.shape or tensor.dtype != dtype:
+                raise CorruptCheckpointError(f"{f.path}: chunk of {fqn!r} is {tuple(tensor.shape)} {tensor.dtype}, "
+                                             f"its entry says {box.shape} {dtype}")
+            cache[key] = tensor
         return cache[key]
 
     def _close(self) -> None:

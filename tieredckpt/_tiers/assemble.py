@@ -66,19 +66,24 @@ class PieceFile:
             if self.f.size != entry.size:
                 raise ChecksumMismatchError(f"{path}: {self.f.size} bytes on disk but the manifest records "
                                             f"{entry.size} (truncated or partial write)")
-            self._read_header()
+            self._read_header(entry)
             if self.crcs is None and verify != "none" or verify == "sha256":
                 self._check_whole(entry)  # no per-tensor checksums (or the strict mode): the file as one
         except BaseException:
             self.f.close()
             raise
 
-    def _read_header(self) -> None:
+    def _read_header(self, entry: ShardEntry) -> None:
         source = str(self.path)
         self.ensure(0, 8)
-        n = header_length(os.pread(self.f.fd, 8, 0), self.f.size, source)
+        first8 = os.pread(self.f.fd, 8, 0)
+        n = header_length(first8, self.f.size, source)
         self.ensure(8, 8 + n)
-        header = parse_header(os.pread(self.f.fd, n, 8), self.f.size - 8 - n, source)
+        raw = os.pread(self.f.fd, n, 8)
+        if entry.header_crc32c and self.verify != "none" and \
+                crc_hex(crc32c_update(raw, crc32c_update(first8))) != entry.header_crc32c:
+            raise ChecksumMismatchError(f"{self.path}: its header fails the manifest's crc32c (corrupt)")
+        header = parse_header(raw, self.f.size - 8 - n, source)
         self.data_start = 8 + n
         try:
             info = json.loads(header.pop("__metadata__", {})[FORMAT_KEY])
@@ -140,7 +145,7 @@ def assemble(open_file: Callable[[int], PieceFile], manifest: ShardManifest, ran
         return wrap(t[box.relative_to(Box((0,) * t.dim(), tuple(t.shape)))].clone())
 
     def piece(path: tuple, node: dict) -> torch.Tensor:  # 3. + 4.
-        _, whole, dtype = piece_box(node, source)
+        _, whole, dtype = piece_box(node, str(base.path))
         want = targets.want(path, whole.shape)
         box, wrap = want if want is not None else (whole, lambda t: t)
         saved = []
@@ -154,9 +159,9 @@ def assemble(open_file: Callable[[int], PieceFile], manifest: ShardManifest, ran
         for i, part in cover([b for _, _, b in saved], box, f"{source}: {_name(path)}"):
             r, n, b = saved[i]
             t = files[r].tensor(_index(n["t"], files[r]))
-            if tuple(t.shape) != b.shape:
-                raise CorruptCheckpointError(f"{files[r].path}: piece of {_name(path)} is {tuple(t.shape)}, "
-                                             f"its node says {b.shape}")
+            if tuple(t.shape) != b.shape or t.dtype != dtype:
+                raise CorruptCheckpointError(f"{files[r].path}: piece of {_name(path)} is {tuple(t.shape)} "
+                                             f"{t.dtype}, its node says {b.shape} {dtype}")
             out[part.relative_to(box)] = t[part.relative_to(b)]
         return wrap(out)
 

@@ -101,6 +101,7 @@ def commit_rank(root: Path, step: int, state: Any, ranks: RankGroup, *,
         fsync_dir(scratch)
         numel = state_numel(state)
         info = {"size": digest.size, "crc32c": digest.crc32c, "sha256": digest.sha256, "numel": numel,
+                "header_crc32c": digest.header_crc32c,
                 "span": list(param_span) if param_span else None, "scratch": str(scratch),
                 "pieces": has_pieces(state)}
     except Exception as exc:  # noqa: BLE001 - reported to every rank below
@@ -152,6 +153,6 @@ def _manifest(step: int, infos: list[dict], wall: float, user: dict | None) -> S
         span = tuple(i["span"]) if i["span"] else (offset, i["numel"])
         spans.append(span)
         offset = span[0] + span[1]
-    digests = [Digest(i["size"], i["crc32c"], i["sha256"]) for i in infos]
+    digests = [Digest(i["size"], i["crc32c"], i["sha256"], i["header_crc32c"]) for i in infos]
     return make_manifest(step, digests, spans, wall, user, any(i["pieces"] for i in infos))
 

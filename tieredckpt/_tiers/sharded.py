@@ -90,7 +90,7 @@ def make_manifest(step: int, digests, spans, wall_clock_seconds: float, user: di
     digest (size, crc32c, sha256) and its (offset, numel) span of the flat parameter space;
     ``pieces`` when any shard holds DTensor pieces."""
     entries = [ShardEntry(rank=rank, path=layout.shard_name(rank), sha256=d.sha256, size=d.size, crc32c=d.crc32c,
-                          param_shard_offset=span[0], param_shard_numel=span[1])
+                          param_shard_offset=span[0], param_shard_numel=span[1], header_crc32c=d.header_crc32c)
                for rank, (d, span) in enumerate(zip(digests, spans))]
     return ShardManifest(world_size=len(entries), step=step, wall_clock_seconds=float(wall_clock_seconds),
                          shards=entries, created_unix=time.time(), user=dict(user or {}),
