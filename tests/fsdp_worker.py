@@ -27,7 +27,7 @@ import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from tieredckpt import CheckpointStore  # noqa: E402
+from tieredckpt import CheckpointStore, capture_rng, restore_rng  # noqa: E402
 from tieredckpt._format.compare import first_difference  # noqa: E402
 from tieredckpt._format.shardfile import read_shard, write_shard  # noqa: E402
 
@@ -115,6 +115,7 @@ def full_state(model, opt) -> dict:
 
 
 def main() -> None:
+    global DIM
     p = argparse.ArgumentParser()
     p.add_argument("scenario")
     p.add_argument("run_dir")
@@ -125,8 +126,10 @@ def main() -> None:
     p.add_argument("--kill-rank", type=int, default=-1)
     p.add_argument("--overlap", action="store_true", help="save with overlap=True")
     p.add_argument("--part-size", type=int, default=64 << 20, help="upload part size")
+    p.add_argument("--width", type=int, default=32, help="the model's width")
     p.add_argument("--dcp", choices=["save", "async_save"], help="save and load with torch.distributed.checkpoint")
     args = p.parse_args()
+    DIM = args.width
     torch.set_num_threads(1)
     distributed = "WORLD_SIZE" in os.environ
     if distributed:
@@ -152,13 +155,15 @@ def main() -> None:
     RemoteTier.fetch_part = counting_fetch
     with CheckpointStore(args.run_dir.format(rank=rank), args.remote, every=1, upload_part_size=args.part_size,
                          remote_options=json.loads(args.remote_options)) as store:
-        state = lambda step: {"model": model, "optim": opt, "step": step}  # noqa: E731
+        torch.manual_seed(1000 + rank)  # each rank's own generator state, saved with its shard
+        state = lambda step: {"model": model, "optim": opt, "step": step, "rng": capture_rng()}  # noqa: E731
         if args.scenario == "save":
             train(model, opt, range(1, 4))
             if args.dcp:
                 dcp_save(store, model, opt, 3, args.dcp)
             else:
                 handle = store.save(3, state(3), overlap=args.overlap)
+                out["next_random"] = torch.rand(3).tolist()
                 if not args.overlap:
                     handle.wait()
             ref = full_state(model, opt)
@@ -167,13 +172,17 @@ def main() -> None:
             out["losses"] = train(model, opt, range(4, 6))
             store.wait(uploads=True)
         elif args.scenario == "restore":
+            restored = {}
             if args.dcp:
                 out["step"] = dcp_load(store, model, opt)
             else:
-                out["step"] = store.restore(into={"model": model, "optim": opt})["step"]
+                restored = store.restore(into={"model": model, "optim": opt})
+                out["step"] = restored["step"]
+                restore_rng(restored["rng"])
+                out["next_random"] = torch.rand(3).tolist()
             out["read"], out["fetched"] = reads[0], fetched[0]
             out["need"] = sum(t.numel() * t.element_size() for t in _locals(model.state_dict()) +
-                              _locals(opt.state_dict()["state"]))
+                              _locals(opt.state_dict()["state"]) + _locals(restored.get("rng", {})))
             got = full_state(model, opt)
             if rank == 0 and os.path.exists(args.ref):
                 diff = first_difference(read_shard(args.ref), got)

@@ -54,14 +54,22 @@ def test_fsdp2_state_is_saved_as_pieces_once_for_all_ranks(fsdp4):
     base, _ = fsdp4
     manifest = ShardManifest.from_json((base / "run" / "step_000003" / "manifest.json").read_text())
     assert manifest.world_size == 4 and manifest.layout == "dtensor"
-    data = sum(tensor_bytes(base / "run" / "step_000003" / e.path) for e in manifest.shards)
-    # every parameter, m and v once, not once per rank (only the plain 4-byte step counts are per rank)
-    assert tensor_bytes(base / "ref.bin") < data < 1.01 * tensor_bytes(base / "ref.bin")
+    pieces = sum(split_bytes(base / "run" / "step_000003" / e.path)[1] for e in manifest.shards)
+    ref = read_header(base / "ref.bin")
+    params_m_v = sum(e["data_offsets"][1] - e["data_offsets"][0] for k, e in ref.items()
+                     if k != "__metadata__" and not k.endswith("/step"))
+    assert pieces == params_m_v  # every parameter, m and v exactly once in all, not once per rank
 
 
-def tensor_bytes(path: Path) -> int:
+def split_bytes(path: Path) -> tuple[int, int]:
+    """(bytes of the header and the plain tensors before the pieces, bytes of the pieces) of a shard."""
+    from tieredckpt._format.tree import piece_nodes
     header = read_header(path)
-    return sum(e["data_offsets"][1] - e["data_offsets"][0] for k, e in header.items() if k != "__metadata__")
+    meta = json.loads(header.pop("__metadata__")["tieredckpt"])
+    names = {meta["names"][n["t"]] for _, n in piece_nodes(meta["tree"]) if n.get("t") is not None}
+    size = {k: e["data_offsets"][1] - e["data_offsets"][0] for k, e in header.items()}
+    front = path.stat().st_size - sum(size.values()) + sum(v for k, v in size.items() if k not in names)
+    return front, sum(v for k, v in size.items() if k in names)
 
 
 @pytest.mark.parametrize("world", [4, 2])
@@ -72,6 +80,9 @@ def test_fsdp2_restores_bit_identical_at_4_and_2_ranks(fsdp4, tmp_path, world):
     assert all(r["step"] == 3 for r in restored)
     if world == 4:  # the same layout: training goes on exactly as the saving run did
         assert [r["losses"] for r in restored] == [s["losses"] for s in saved]
+        # and each rank's RNG comes back from its own shard (they differ per rank)
+        assert [r["next_random"] for r in restored] == [s["next_random"] for s in saved]
+        assert len({str(s["next_random"]) for s in saved}) == 4
     else:  # 4 -> 2: each rank read exactly the saved pieces its shards overlap, nothing more
         assert all(r["read"] == r["need"] for r in restored), [(r["read"], r["need"]) for r in restored]
 
@@ -116,16 +127,21 @@ def test_a_fresh_machine_downloads_only_the_remote_parts_its_pieces_lie_in(tmp_p
     bucket = f"ranged-{os.getpid()}"
     moto_server.make_bucket(bucket)
     remote = ["--remote", f"s3://{bucket}/run", "--remote-options", json.dumps(moto_server.options()),
-              "--part-size", str(16 << 10)]  # small parts, so a piece spans few of them
+              "--part-size", str(16 << 10), "--width", "128"]  # small parts; state large beside headers
+    part = 16 << 10
     run(4, "save", tmp_path / "old{rank}", tmp_path / "ref.bin", "4", *remote)
     total = sum(e.size for e in ShardManifest.from_json(
         (tmp_path / "old0" / "step_000003" / "manifest.json").read_text()).shards)
+    # what any rank must fetch besides its pieces: every shard's header and plain tensors, in whole
+    # parts, and at most one part more at each end of the run of pieces it needs from a shard
+    fronts = [split_bytes(tmp_path / f"old{r}" / "step_000003" / f"rank{r}.bin")[0] for r in range(4)]
+    overhead = sum(-(-f // part) * part + 2 * part for f in fronts)
     for rank in range(4):
         shutil.rmtree(tmp_path / f"old{rank}")
     restored = run(2, "restore", tmp_path / "new{rank}", tmp_path / "ref.bin", "2", *remote)
     assert restored[0]["diff"] is None
-    for r in restored:  # each of 2 ranks needs half of the state: it fetched its parts, not every shard
-        assert r["need"] <= r["fetched"] < 0.7 * total, (r, total)
+    for r in restored:  # each of 2 ranks needs half of the pieces: it fetched their parts, not every shard
+        assert r["need"] <= r["fetched"] <= r["need"] + overhead < total, (r, overhead, total)
 
 
 def test_a_corrupt_local_piece_is_refused_and_read_from_the_remote(tmp_path, moto_server):
