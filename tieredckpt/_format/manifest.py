@@ -173,7 +173,7 @@ def _shard(raw: object, where: str) -> ShardEntry:
     if offset + numel > _INT_MAX:
         raise ManifestError(f"{where}: param_shard_offset + param_shard_numel overflows")
     sha, crc = raw.get("sha256"), raw.get("crc32c")
-    if not isinstance(sha, str) or not _HEX64.match(sha):
+    if not isinstance(sha, str) or sha and not _HEX64.match(sha):  # "": not recorded yet (sharded.fill_sha256)
         raise ManifestError(f"{where}: sha256 {sha!r} is not 64 lowercase hex digits")
     if not isinstance(crc, str) or not _HEX8.match(crc):
         raise ManifestError(f"{where}: crc32c {crc!r} is not 8 lowercase hex digits")

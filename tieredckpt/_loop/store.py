@@ -58,13 +58,14 @@ from .._tiers.placement import Targets
 from .._tiers.restore import Restorer, load_into
 from .._tiers.retention import Policy
 from .._tiers.runlock import RunLock
-from .._tiers.sharded import check_user_value, save_sharded
+from .._tiers.sharded import check_user_value, fill_sha256, save_sharded
 from .._tiers.transport import REQUEST_TIMEOUT
 from .._tiers.uploader import MODES as UPLOAD_MODES
 from .._tiers.uploader import Uploader
 from ..errors import (
     BackgroundSaveError,
     CheckpointExistsError,
+    CheckpointNotFoundError,
     DistributedCommitError,
     RemoteError,
     TieredCkptError,
@@ -192,6 +193,9 @@ class CheckpointStore(AbstractContextManager):
         self._hold = StepHold()
         self.overlap = overlap
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tieredckpt-writer")
+        # sha256 of a committed step, recorded off the save's path (sharded.fill_sha256)
+        self._finisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tieredckpt-sha256")
+        self._fill_lock = threading.Lock()
         self._pending: SaveHandle | None = None
         self._closed = False
         self._rotate_lock = threading.Lock()
@@ -212,11 +216,15 @@ class CheckpointStore(AbstractContextManager):
                         slow_retry=upload_backoff[2] if len(upload_backoff) > 2 else 60.0,
                         audit_interval=audit_interval, keep_remote=keep_remote,
                         lease=lease, on_uploaded=self._on_uploaded, on_error=on_upload_error,
+                        before_commit=lambda step: self._fill(step, quiet=False),
                         ranks=RankGroup(timeout_seconds=UPLOAD_GROUP_TIMEOUT) if self.ranks is not None else None)
         except BaseException:
             self._release()
             raise
         self._restorer = Restorer(self.local, self.remote, self.ranks, verify, self._node_leader, self.read_only)
+        if not self.read_only and self.ranks is None:
+            for step in self.local.steps():  # a crash after a commit left its sha256 to record
+                self._finisher.submit(self._fill, step)
         if self.uploader is not None:
             self.uploader.start()  # it rotates once it knows what the remote holds
         elif self.remote is None:
@@ -363,7 +371,7 @@ class CheckpointStore(AbstractContextManager):
             if self.ranks is None:
                 self.local.clear_leftover(step)  # a step dir without a manifest is moved aside, not in our way
                 manifest = save_sharded([staged], self.local.step_path(step), step, user=user,
-                                        wall_clock_seconds=wall)
+                                        wall_clock_seconds=wall, sha256=False)
             else:
                 manifest = commit_rank(self.local.root, step, staged, self._commit_ranks, param_span=param_span,
                                        user=user, wall_clock_seconds=wall)
@@ -373,12 +381,31 @@ class CheckpointStore(AbstractContextManager):
                               manifest.shards[self.rank].size if self.ranks is not None else manifest.total_size)
             if self._node_leader:
                 self.local.update_latest()
+            if self.ranks is None:  # committed with crc32c; sha256 next, on a thread of its own
+                self._finisher.submit(self._fill, step)
             if self.uploader is not None:
                 self.uploader.enqueue(step)
             self._rotate()
         except Exception as exc:  # noqa: BLE001
             log.warning("step %d is committed, but the work after it failed: %s", step, exc)
         return manifest
+
+    def _fill(self, step: int, quiet: bool = True) -> None:
+        """Record the sha256 of a step committed with crc32c alone (one process; many ranks record
+        it in the commit). Runs on the sha256 thread after each commit, and on the uploader's
+        before the remote's commit marker embeds the manifest (``quiet=False``: a shard whose
+        crc32c fails is an upload error, so no remote copy is committed from it)."""
+        with self._fill_lock:
+            try:
+                fill_sha256(self.local.step_path(step))
+            except CheckpointNotFoundError:
+                pass  # rotated away meanwhile
+            except (TieredCkptError, OSError) as exc:
+                if not self.local.step_path(step).exists():
+                    return  # rotated away while it was read
+                if not quiet:
+                    raise
+                log.warning("step %d: its sha256 could not be recorded: %s", step, exc)
 
     def _on_uploaded(self, step: int) -> None:
         """The uploader's word that ``step`` is on the remote (-1: it read what the remote holds)."""
@@ -445,6 +472,7 @@ class CheckpointStore(AbstractContextManager):
         write (BackgroundSaveError), and with ``uploads`` an UploadError when a step
         failed in a way retrying does not fix."""
         self._finish_pending()
+        self._finisher.submit(lambda: None).result()  # every committed step's sha256 recorded
         if uploads and self.uploader is not None:
             return self.uploader.drain(timeout)
         return True
@@ -484,6 +512,7 @@ class CheckpointStore(AbstractContextManager):
             if self.uploader is not None:
                 self.uploader.close()
             self._writer.shutdown(wait=True)
+            self._finisher.shutdown(wait=True)
             self._hold.release_all()
             self.run.close()
             if self.remote is not None:

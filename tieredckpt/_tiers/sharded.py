@@ -17,6 +17,7 @@ the checkpoint is complete. No manifest ever points at a partial shard.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import os
@@ -26,7 +27,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from .._format import layout
-from .._format.atomic import building, fsync_file, write_all
+from .._format.atomic import atomic_write_bytes, building, fsync_file, write_all
 from .._format.manifest import MAX_MANIFEST_BYTES, MAX_USER_DEPTH, ShardEntry, ShardManifest, json_depth
 from .._format.safefile import Checked, open_checked, read_small
 from ..errors import (
@@ -47,12 +48,14 @@ _ANY_SIZE = 1 << 62
 def save_sharded(state_dict_per_rank: Sequence[Any], dir: str | os.PathLike, step: int, *,
                  wall_clock_seconds: float = 0.0,
                  param_shards: Sequence[tuple[int, int]] | None = None,
-                 user: dict | None = None) -> ShardManifest:
+                 user: dict | None = None, sha256: bool = True) -> ShardManifest:
     """Write one shard file per rank, then the manifest, and commit ``dir`` atomically.
 
     ``param_shards`` gives each rank's ``(param_shard_offset, param_shard_numel)``
     in the flat parameter space; by default each rank owns as many elements as
-    its tensors hold, laid end to end in rank order.
+    its tensors hold, laid end to end in rank order. ``sha256=False`` commits with
+    crc32c alone and leaves each shard's sha256 to :func:`fill_sha256` (the store
+    does that right after the commit, off the save's path).
     """
     final = Path(dir)
     if final.exists():
@@ -64,7 +67,7 @@ def save_sharded(state_dict_per_rank: Sequence[Any], dir: str | os.PathLike, ste
         raise ValueError(f"param_shards has {len(spans)} entries for {len(state_dict_per_rank)} ranks")
     user = check_user_value(user)
     try:
-        return _save(state_dict_per_rank, final, step, spans, wall_clock_seconds, user)
+        return _save(state_dict_per_rank, final, step, spans, wall_clock_seconds, user, sha256)
     except OSError as exc:
         if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or isinstance(exc, DiskFullError):
             raise
@@ -74,9 +77,9 @@ def save_sharded(state_dict_per_rank: Sequence[Any], dir: str | os.PathLike, ste
                             "are free (its scratch copy was removed; nothing committed was touched)") from exc
 
 
-def _save(state_dict_per_rank, final: Path, step: int, spans, wall_clock_seconds, user) -> ShardManifest:
+def _save(state_dict_per_rank, final: Path, step: int, spans, wall_clock_seconds, user, sha256) -> ShardManifest:
     with building(final) as tmp:  # shards, then the manifest, then the atomic rename
-        digests = [write_rank(tmp / layout.shard_name(rank), state)  # fsynced inside
+        digests = [write_rank(tmp / layout.shard_name(rank), state, sha256)  # fsynced inside
                    for rank, state in enumerate(state_dict_per_rank)]
         pieces = any(has_pieces(state) for state in state_dict_per_rank)
         manifest = make_manifest(step, digests, spans, wall_clock_seconds, user, pieces)
@@ -89,7 +92,7 @@ def make_manifest(step: int, digests, spans, wall_clock_seconds: float, user: di
     """The one place a checkpoint manifest is made: rank r's shard ``rank{r}.bin`` with its
     digest (size, crc32c, sha256) and its (offset, numel) span of the flat parameter space;
     ``pieces`` when any shard holds DTensor pieces."""
-    entries = [ShardEntry(rank=rank, path=layout.shard_name(rank), sha256=d.sha256, size=d.size, crc32c=d.crc32c,
+    entries = [ShardEntry(rank=rank, path=layout.shard_name(rank), sha256=d.sha256 or "", size=d.size, crc32c=d.crc32c,
                           param_shard_offset=span[0], param_shard_numel=span[1], header_crc32c=d.header_crc32c)
                for rank, (d, span) in enumerate(zip(digests, spans))]
     return ShardManifest(world_size=len(entries), step=step, wall_clock_seconds=float(wall_clock_seconds),
@@ -119,13 +122,38 @@ def write_manifest(directory: Path, manifest: ShardManifest) -> None:
         os.close(fd)
 
 
-def write_rank(path: Path, state: Any):
+def write_rank(path: Path, state: Any, sha256: bool = True):
     """Write one rank's shard from plain state or a store's Staged snapshot."""
     from .._format.shardfile import write_flattened, write_shard
     from .._format.tree import Staged
     if isinstance(state, Staged):  # already snapshotted by the store
-        return write_flattened(path, state.skeleton, state.tensors, state.names)
-    return write_shard(path, state)
+        return write_flattened(path, state.skeleton, state.tensors, state.names, sha256=sha256)
+    return write_shard(path, state, sha256=sha256)
+
+
+def fill_sha256(dir: str | os.PathLike) -> ShardManifest | None:
+    """Record the sha256 of every shard whose manifest entry has none yet; None if none lacked it.
+
+    Each such shard is read once, computing crc32c and sha256 together; a shard whose
+    crc32c no longer matches is refused (its corruption is never blessed with a sha256).
+    The manifest is then replaced atomically (sibling temp, fsync, rename, fsync dir):
+    a crash leaves the old manifest -- valid, with crc32c, its sha256 still to fill."""
+    manifest = read_manifest(dir)
+    if all(e.sha256 for e in manifest.shards):
+        return None
+    entries = []
+    for entry in manifest.shards:
+        if not entry.sha256:
+            with open_shard(dir, entry) as f:
+                got = f.digest(sha256=True)
+            if got.crc32c != entry.crc32c:
+                raise ChecksumMismatchError(f"{f.path}: crc32c {got.crc32c} does not match the manifest's "
+                                            f"{entry.crc32c} (corrupt); its sha256 is not recorded")
+            entry = dataclasses.replace(entry, sha256=got.sha256)
+        entries.append(entry)
+    filled = dataclasses.replace(manifest, shards=entries)
+    atomic_write_bytes(Path(dir) / layout.MANIFEST, filled.to_json().encode())
+    return filled
 
 
 def has_pieces(state: Any) -> bool:
@@ -285,7 +313,7 @@ def verify_checkpoint_files(dir: str | os.PathLike, manifest: ShardManifest, ful
             if got.crc32c != entry.crc32c:
                 raise ChecksumMismatchError(f"{f.path}: crc32c {got.crc32c} does not match the manifest's "
                                             f"{entry.crc32c} (corrupt)")
-            if full and got.sha256 != entry.sha256:
+            if full and entry.sha256 and got.sha256 != entry.sha256:  # "": not recorded yet
                 raise ChecksumMismatchError(f"{f.path}: sha256 {got.sha256} does not match the manifest's "
                                             f"{entry.sha256} (corrupt)")
             if full:

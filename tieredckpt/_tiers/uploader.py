@@ -64,10 +64,12 @@ class Uploader:
                  slow_retry: float = 60.0, audit_interval: float = 60.0, keep_remote: Policy | None = None,
                  lease: WriterLease | None = None, on_uploaded: Callable[[int], None] | None = None,
                  on_error: Callable[[int, Exception], None] | None = None,
-                 progress: Callable[[int], None] | None = None, ranks=None) -> None:
+                 progress: Callable[[int], None] | None = None, ranks=None,
+                 before_commit: Callable[[int], None] | None = None) -> None:
         if mode not in MODES:
             raise ValueError(f"uploads must be one of {MODES}, got {mode!r}")
         self.local, self.remote = local, remote
+        self.before_commit = before_commit  # completes the local manifest the remote's embeds
         self.codec, self.level, self.mode = codec, level, mode
         self.max_pending, self.backoff, self.slow_retry = max_pending, backoff, slow_retry
         self._round_started = 0.0  # when the current (or last) attempt began, monotonic
@@ -392,6 +394,8 @@ class Uploader:
     def _commit(self, step: int, files: list[UploadedFile]) -> None:
         if self.lease is not None:
             self.lease.check()
+        if self.before_commit is not None:
+            self.before_commit(step)
         self.remote.commit_upload(self.local.manifest(step), self.codec, files, self._done.get(step))
         self.remote.write_latest(max(self.uploaded | {step}))
 
