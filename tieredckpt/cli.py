@@ -322,6 +322,7 @@ def cmd_restore(args) -> int:
 
 def cmd_push(args) -> int:
     from ._tiers.lease import WriterLease
+    from ._tiers.sharded import fill_sha256
     from ._tiers.uploader import Uploader
     tier = LocalTier(args.run_dir, create=False)
     lock = RunLock(tier.root)
@@ -339,7 +340,7 @@ def cmd_push(args) -> int:
         total = sum(tier.manifest(s).total_size for s in pending)
         bar = _TransferBar(total, f"upload {len(pending)} checkpoint(s)")
         uploader = Uploader(tier, remote, codec=args.compression, mode="all", max_pending=None, progress=bar.add,
-                            lease=lease).start()
+                            lease=lease, before_commit=lambda step: fill_sha256(tier.step_path(step))).start()
         try:
             for step in pending:
                 uploader.enqueue(step)
