@@ -19,6 +19,7 @@ import pytest
 from test_ranks import launch, results
 
 from tieredckpt._format.manifest import ShardManifest
+from tieredckpt.errors import ChecksumMismatchError
 from tieredckpt._format.shardheader import read_header
 
 WORKER = Path(__file__).with_name("fsdp_worker.py")
@@ -281,3 +282,38 @@ def test_a_hostile_piece_node_is_refused_by_name_and_nothing_loads(tmp_path, edi
         with pytest.raises(CorruptCheckpointError, match=r"step_000001.*(rank0\.bin|dcp/tensors/0/1)"):
             store.restore()
     assert torch.equal(state["a"], torch.zeros(1000)) and torch.equal(state["b"], torch.zeros(1000))
+
+
+def test_part_of_a_piece_reads_and_verifies_only_the_blocks_it_lies_in(tmp_path, monkeypatch):
+    import torch
+
+    from tieredckpt._format.boxes import Box
+    from tieredckpt._format.pieces import Chunk
+    from tieredckpt._format.shardfile import CRC_BLOCK
+    from tieredckpt._tiers import assemble
+    from tieredckpt._tiers.sharded import read_manifest, save_sharded
+
+    whole = torch.arange(4096 * 512, dtype=torch.float32).reshape(4096, 512)  # 8 MiB: 8 blocks
+    save_sharded([{"w": Chunk(whole, (4096, 512), (0, 0))}], tmp_path / "step_000001", 1)
+    entry = read_manifest(tmp_path / "step_000001").shards[0]
+    reads = []
+    real = assemble._pread_into
+    monkeypatch.setattr(assemble, "_pread_into", lambda fd, view, at: reads.append(len(view)) or real(fd, view, at))
+    f = assemble.PieceFile(tmp_path / "step_000001" / entry.path, entry, "crc")
+    piece = Box((0, 0), (4096, 512))
+    for want in (Box((1000, 0), (1500, 512)), Box((7, 3), (9, 100)), Box((4095, 511), (1, 1))):
+        reads.clear()
+        got = f.part(0, piece, want)
+        assert torch.equal(got, whole[want.relative_to(piece)])
+        wanted = (want.shape[0] - 1) * 512 * 4 + want.shape[1] * 4  # first to last element, in bytes
+        assert wanted <= sum(reads) <= wanted + 2 * CRC_BLOCK  # its blocks, not the 8 MiB piece
+    f.close()
+    path = tmp_path / "step_000001" / entry.path
+    data = bytearray(path.read_bytes())
+    data[-100] ^= 1  # rot in the last block: parts elsewhere still read, a part there is refused
+    path.write_bytes(bytes(data))
+    f = assemble.PieceFile(path, entry, "crc")
+    assert torch.equal(f.part(0, piece, Box((0, 0), (10, 512))), whole[:10])
+    with pytest.raises(ChecksumMismatchError, match="fails its crc32c"):
+        f.part(0, piece, Box((4090, 0), (6, 512)))
+    f.close()

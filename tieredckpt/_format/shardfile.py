@@ -51,6 +51,12 @@ for _attr, _name in [("uint16", "U16"), ("uint32", "U32"), ("uint64", "U64"),
 _DTYPES = {name: dtype for dtype, name in _DTYPE_NAMES.items()}
 
 VERIFY_MODES = ("none", "crc", "sha256")
+CRC_BLOCK = 1 << 20  # the unit a piecewise read verifies (pieces shards: a crc32c per block)
+
+
+def block_crcs(data: memoryview) -> list[str]:
+    """crc32c of each CRC_BLOCK of ``data`` (the last one shorter)."""
+    return [crc_hex(crc32c_update(data[o:o + CRC_BLOCK])) for o in range(0, len(data), CRC_BLOCK)]
 
 
 def write_shard(path: str | os.PathLike, state: Any, *, sha256: bool = True) -> Digest:
@@ -67,10 +73,11 @@ def write_flattened(path, skeleton, tensors: list[torch.Tensor], names: list[str
     # Largest item size first keeps every tensor aligned. A state with DTensor pieces is read
     # piece by piece when resharded (no rank reads whole shards it does not need): its plain
     # tensors (step counts, RNG), which every restoring rank reads, come first, next to the
-    # header, and each tensor carries a crc32c of its own -- one more pass over the bytes, on
-    # the writer thread, before the header that records them.
+    # header, and each tensor carries a crc32c per CRC_BLOCK of its bytes, so a rank that needs
+    # part of a piece reads and verifies only the blocks that part lies in -- one more pass over
+    # the bytes, on the writer thread, before the header that records them.
     order = sorted(range(len(tensors)), key=lambda i: (i in pieces, -tensors[i].element_size()))
-    crcs = [crc_hex(crc32c_update(a)) for a in arrays] if pieces else None
+    crcs = [block_crcs(a) for a in arrays] if pieces else None
     header_bytes = _encode_header(skeleton, tensors, names, order, crcs)
     digest = StreamDigest(sha256=sha256)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -122,7 +129,7 @@ def _encode_header(skeleton, tensors, names, order, crcs=None) -> bytes:
         offset += nbytes
     meta = {"version": FORMAT_VERSION, "tree": skeleton, "names": names}
     if crcs is not None:
-        meta["crcs"] = crcs
+        meta["crcs"], meta["crc_block"] = crcs, CRC_BLOCK
     header["__metadata__"] = {FORMAT_KEY: json.dumps(meta, separators=(",", ":"))}
     raw = json.dumps(header, separators=(",", ":")).encode()
     padded = raw.ljust(-(-(8 + len(raw)) // _ALIGN) * _ALIGN - 8, b" ")  # data starts 64-aligned

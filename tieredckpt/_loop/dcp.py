@@ -43,6 +43,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
 from .._format import tree
+from .._format.boxes import Box
 from .._format.pieces import Chunk, piece_box
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedStateError
 
@@ -179,17 +180,17 @@ class TieredReader(StorageReader):
         try:
             # Every chunk the plan names is read and verified first, and only then copied into
             # the state DCP loads into: a bad chunk raises before any live tensor is touched.
-            cache: dict[tuple, torch.Tensor] = {}
+            parts: dict[int, torch.Tensor] = {}
             values = {}
-            for item in plan.items:
+            for n, item in enumerate(plan.items):
                 fqn = item.storage_index.fqn
                 if item.type == LoadItemType.BYTE_IO:
                     if fqn not in self._values:
                         raise CorruptCheckpointError(f"DCP entry {fqn!r} is not in the checkpoint")
                     values[fqn] = _materialize(self._values[fqn])
                 else:
-                    self._chunk(fqn, tuple(item.storage_index.offset or ()), cache)
-            for item in plan.items:
+                    parts[n] = self._part(fqn, tuple(item.storage_index.offset or ()), item)
+            for n, item in enumerate(plan.items):
                 fqn = item.storage_index.fqn
                 if item.type == LoadItemType.BYTE_IO:
                     buffer = io.BytesIO()
@@ -197,35 +198,34 @@ class TieredReader(StorageReader):
                     buffer.seek(0)
                     planner.load_bytes(item, buffer)
                     continue
-                src = cache[(fqn, tuple(item.storage_index.offset or ()))]
-                for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths)):
-                    src = src.narrow(dim, start, length)
                 target = planner.resolve_tensor(item).detach()
-                if target.shape != src.shape:
+                if target.shape != parts[n].shape:
                     raise CorruptCheckpointError(f"DCP entry {fqn!r}: the plan wants {tuple(target.shape)}, "
-                                                 f"the checkpoint holds {tuple(src.shape)}")
-                target.copy_(src)
+                                                 f"the checkpoint holds {tuple(parts[n].shape)}")
+                target.copy_(parts[n])
                 planner.commit_tensor(item, target)
         finally:
             self._close()
         return _done(None)
 
-    def _chunk(self, fqn: str, offset: tuple, cache: dict) -> torch.Tensor:
-        key = (fqn, offset)
-        if key not in cache:
-            if key not in self._chunks:
-                raise CorruptCheckpointError(f"DCP entry {fqn!r}: no saved chunk at offset {offset}")
-            f, node = self._chunks[key]
-            t = node.get("t")
-            if type(t) is not int or not 0 <= t < len(f.names):
-                raise CorruptCheckpointError(f"{f.path}: chunk of {fqn!r} names tensor {t!r}")
-            tensor = f.tensor(t)
-            box, _, dtype = piece_box(node, str(f.path))
-            if tuple(tensor.shape) != box.shape or tensor.dtype != dtype:
-                raise CorruptCheckpointError(f"{f.path}: chunk of {fqn!r} is {tuple(tensor.shape)} {tensor.dtype}, "
-                                             f"its entry says {box.shape} {dtype}")
-            cache[key] = tensor
-        return cache[key]
+    def _part(self, fqn: str, offset: tuple, item) -> torch.Tensor:
+        """What a read item wants of a saved chunk: only the blocks it lies in are read, verified."""
+        if (fqn, offset) not in self._chunks:
+            raise CorruptCheckpointError(f"DCP entry {fqn!r}: no saved chunk at offset {offset}")
+        f, node = self._chunks[(fqn, offset)]
+        t = node.get("t")
+        if type(t) is not int or not 0 <= t < len(f.names):
+            raise CorruptCheckpointError(f"{f.path}: chunk of {fqn!r} names tensor {t!r}")
+        box, _, dtype = piece_box(node, str(f.path))
+        starts, lengths = tuple(item.storage_offsets), tuple(item.lengths)
+        if len(starts) != len(box.shape) or any(s + n > b for s, n, b in zip(starts, lengths, box.shape)):
+            raise CorruptCheckpointError(f"DCP entry {fqn!r}: the plan reads {lengths} at {starts} of a "
+                                         f"{box.shape} chunk")
+        want = Box(tuple(o + s for o, s in zip(box.offset, starts)), lengths)
+        part = f.part(t, box, want)
+        if part.dtype != dtype:
+            raise CorruptCheckpointError(f"{f.path}: chunk of {fqn!r} is {part.dtype}, its entry says {dtype}")
+        return part
 
     def _close(self) -> None:
         if self._stack is not None:

@@ -88,13 +88,15 @@ class PieceFile:
         try:
             info = json.loads(header.pop("__metadata__", {})[FORMAT_KEY])
             self.skeleton, self.names, version = info["tree"], info["names"], info["version"]
-            self.crcs = info.get("crcs")
+            self.crcs, self.block = info.get("crcs"), info.get("crc_block")
         except (ValueError, TypeError, KeyError, RecursionError) as exc:
             raise CorruptCheckpointError(f"{source}: unreadable tieredckpt metadata ({exc})") from None
         if version != FORMAT_VERSION or not isinstance(self.names, list) or \
                 not all(isinstance(x, str) and x in header for x in self.names):
             raise CorruptCheckpointError(f"{source}: metadata does not match the header's tensors")
-        if self.crcs is not None and (not isinstance(self.crcs, list) or len(self.crcs) != len(self.names)):
+        if self.crcs is not None and (not isinstance(self.crcs, list) or len(self.crcs) != len(self.names)
+                                      or not all(isinstance(c, list) for c in self.crcs)
+                                      or type(self.block) is not int or self.block < 4096):
             raise CorruptCheckpointError(f"{source}: per-tensor checksums do not match its {len(self.names)} tensors")
         self.header = header
 
@@ -106,19 +108,59 @@ class PieceFile:
 
     def tensor(self, index: int) -> torch.Tensor:
         """Tensor ``index`` of this shard, read alone into fresh memory and verified."""
-        entry = self.header[self.names[index]]
-        if entry["dtype"] not in _DTYPES:
-            raise CorruptCheckpointError(f"{self.path}: dtype {entry['dtype']} is not supported here")
-        out = torch.empty(entry["shape"], dtype=_DTYPES[entry["dtype"]])
-        start, end = entry["data_offsets"]
+        dtype, shape, start, end = self._entry(index)
+        out = torch.empty(shape, dtype=dtype)
         view = byte_view(out.view(-1)) if out.numel() else memoryview(b"")
         if len(view) != end - start:
             raise CorruptCheckpointError(f"{self.path}: tensor {self.names[index]!r} has the wrong size")
-        self.ensure(self.data_start + start, self.data_start + end)
-        _pread_into(self.f.fd, view, self.data_start + start)
-        if self.crcs is not None and self.verify == "crc" and crc_hex(crc32c_update(view)) != self.crcs[index]:
-            raise ChecksumMismatchError(f"{self.path}: tensor {self.names[index]!r} fails its crc32c (corrupt)")
+        self._read(index, view, 0)
         return out
+
+    def part(self, index: int, piece: Box, want: Box) -> torch.Tensor:
+        """The ``want`` box (global coordinates, inside ``piece``) of tensor ``index`` (which holds
+        ``piece``): only the CRC_BLOCKs that the box's bytes lie in are read and verified."""
+        dtype, shape, start, end = self._entry(index)
+        if tuple(shape) != piece.shape:
+            raise CorruptCheckpointError(f"{self.path}: tensor {self.names[index]!r} is {tuple(shape)}, "
+                                         f"its piece node says {piece.shape}")
+        if self.crcs is None or want == piece or want.numel == 0:
+            return self.tensor(index)[want.relative_to(piece)]
+        item = torch.empty((), dtype=dtype).element_size()
+        strides = [1] * len(shape)
+        for d in range(len(shape) - 2, -1, -1):
+            strides[d] = strides[d + 1] * shape[d + 1]
+        rel = [o - p for o, p in zip(want.offset, piece.offset)]
+        first = sum(r * s for r, s in zip(rel, strides))
+        last = sum((r + n - 1) * s for r, n, s in zip(rel, want.shape, strides))
+        lo, hi = first * item // self.block * self.block, min(-(-(last + 1) * item // self.block) * self.block, end - start)
+        buf = torch.empty(hi - lo, dtype=torch.uint8)
+        self._read(index, byte_view(buf), lo)
+        seg = buf[first * item - lo:(last + 1) * item - lo].view(dtype)
+        return torch.as_strided(seg, want.shape, strides)
+
+    def _entry(self, index: int):
+        entry = self.header[self.names[index]]
+        if entry["dtype"] not in _DTYPES:
+            raise CorruptCheckpointError(f"{self.path}: dtype {entry['dtype']} is not supported here")
+        start, end = entry["data_offsets"]
+        return _DTYPES[entry["dtype"]], entry["shape"], start, end
+
+    def _read(self, index: int, view: memoryview, at: int) -> None:
+        """Bytes [at, at + len(view)) of tensor ``index`` into ``view``, each whole CRC_BLOCK checked
+        (``at`` is a block boundary; the range ends at one or at the tensor's end)."""
+        _, _, start, end = self._entry(index)
+        where = self.data_start + start + at
+        self.ensure(where, where + len(view))
+        _pread_into(self.f.fd, view, where)
+        if self.crcs is None or self.verify != "crc":
+            return
+        crcs, first = self.crcs[index], at // self.block
+        if len(crcs) != -(-(end - start) // self.block):
+            raise CorruptCheckpointError(f"{self.path}: tensor {self.names[index]!r} has {len(crcs)} block checksums "
+                                         f"for {end - start} bytes")
+        for n, o in enumerate(range(0, len(view), self.block)):
+            if crc_hex(crc32c_update(view[o:o + self.block])) != crcs[first + n]:
+                raise ChecksumMismatchError(f"{self.path}: tensor {self.names[index]!r} fails its crc32c (corrupt)")
 
     def close(self) -> None:
         self.f.close()
@@ -158,11 +200,11 @@ def assemble(open_file: Callable[[int], PieceFile], manifest: ShardManifest, ran
         out = torch.empty(box.shape, dtype=dtype)
         for i, part in cover([b for _, _, b in saved], box, f"{source}: {_name(path)}"):
             r, n, b = saved[i]
-            t = files[r].tensor(_index(n["t"], files[r]))
-            if tuple(t.shape) != b.shape or t.dtype != dtype:
-                raise CorruptCheckpointError(f"{files[r].path}: piece of {_name(path)} is {tuple(t.shape)} "
-                                             f"{t.dtype}, its node says {b.shape} {dtype}")
-            out[part.relative_to(box)] = t[part.relative_to(b)]
+            t = files[r].part(_index(n["t"], files[r]), b, part)
+            if t.dtype != dtype:
+                raise CorruptCheckpointError(f"{files[r].path}: piece of {_name(path)} is {t.dtype}, "
+                                             f"its node says {dtype}")
+            out[part.relative_to(box)] = t
         return wrap(out)
 
     return tree.unflatten(base.skeleton, plain, str(base.path), count=len(base.names), on_piece=piece)
