@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -31,6 +33,9 @@ def test_a_commit_without_sha256_loads_verifies_and_is_filled_atomically(tmp_pat
     assert [e.sha256 for e in read_manifest(step_dir).shards] == ["", ""]  # committed, sha256 to come
     assert load_sharded(step_dir, 2, verify="sha256")[1]["step"] == 2  # crc32c stands meanwhile
     verify_checkpoint(step_dir, full=True)
+    told = subprocess.run([sys.executable, "-m", "tieredckpt.cli", "verify", str(tmp_path), "--full"],
+                          capture_output=True, text=True)
+    assert told.returncode == 0 and "sha256 not recorded yet" in told.stdout  # never claims a sha256 check
     filled = fill_sha256(step_dir)
     assert [e.sha256 for e in filled.shards] == [sha256_of(step_dir / e.path) for e in filled.shards]
     assert read_manifest(step_dir) == filled and fill_sha256(step_dir) is None
