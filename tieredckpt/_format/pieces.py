@@ -41,13 +41,18 @@ def is_dtensor(obj: Any) -> bool:
     return type(obj).__name__ == "DTensor" and isinstance(obj, torch.Tensor)
 
 
+def local_tensor(dt: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local tensor (the attribute skips an autograd call per leaf)."""
+    local = getattr(dt, "_local_tensor", None)
+    return dt.to_local() if local is None else local
+
+
 def describe(dt: Any, where: str) -> tuple[torch.Tensor | None, dict]:
     """(the local tensor this rank writes, or None; the piece node's fields) of a DTensor or Chunk."""
     if isinstance(dt, Chunk):
         return dt.tensor, _node(dt.global_shape, dt.offset, dt.tensor.shape, dt.tensor.dtype, where)
     layout = _layout(dt, where)
-    local = getattr(dt, "_local_tensor", None)
-    local = dt.to_local() if local is None else local  # the attribute skips an autograd call per leaf
+    local = local_tensor(dt)
     if tuple(local.shape) != layout[0]:
         raise UnsupportedStateError(f"{where}: local tensor {tuple(local.shape)} is not the {layout[0]} piece "
                                     f"its placements {dt.placements} describe (padded shards are not supported)")

@@ -28,7 +28,7 @@ from typing import Any, Callable
 import torch
 
 from .._format import tree
-from .._format.pieces import is_dtensor
+from .._format.pieces import is_dtensor, local_tensor
 from .._format.tree import Staged
 
 
@@ -119,7 +119,7 @@ class StepHold:
 
 def _storage(t: torch.Tensor) -> int:
     """Where a tensor's bytes live: a DTensor (FSDP2) is saved as its local piece."""
-    return (t.to_local() if is_dtensor(t) else t).untyped_storage().data_ptr()
+    return (local_tensor(t) if is_dtensor(t) else t).untyped_storage().data_ptr()
 
 
 def _optimizers(state: Any) -> list:

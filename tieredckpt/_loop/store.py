@@ -312,12 +312,7 @@ class CheckpointStore(AbstractContextManager):
         Code other than ``step()`` that changes parameters in place before then must
         call ``handle.wait_copied()`` first."""
         entered = time.monotonic()
-        self._check_writable()
-        self._finish_pending()  # back-pressure, and the previous failure surfaces here
-        if self.uploader is not None:
-            self.uploader.wait_for_room()  # uploads="all" only; never raises
-        if (self.local.step_path(step) / layout.MANIFEST).exists():
-            raise CheckpointExistsError(f"{self.local.step_path(step)}: step {step} is already committed")
+        self._ready_for(step)
         user = check_user_value(user)  # a bad one is refused here, not in the background
         self.requests.clear_save()  # a signal from now on asks for another save
         staging = time.monotonic()
@@ -336,16 +331,20 @@ class CheckpointStore(AbstractContextManager):
         self._stats.blocked(cost["blocked_s"])
         return self._pending
 
+    def _ready_for(self, step: int) -> None:
+        """What a save waits for and checks before it stages anything."""
+        self._check_writable()
+        self._finish_pending()  # back-pressure, and the previous failure surfaces here
+        if self.uploader is not None:
+            self.uploader.wait_for_room()  # uploads="all" only; never raises
+        if (self.local.step_path(step) / layout.MANIFEST).exists():
+            raise CheckpointExistsError(f"{self.local.step_path(step)}: step {step} is already committed")
+
     def commit_unstaged(self, step: int, state: Any) -> ShardManifest:
         """Write ``state`` as ``step`` on the writer thread and wait for the commit, with no staging
         copy: for a caller that leaves the tensors unchanged until this returns (the DCP writer,
         inside ``dcp.save``, or on ``dcp.async_save``'s own staged copy). Every rank calls it."""
-        self._check_writable()
-        self._finish_pending()
-        if self.uploader is not None:
-            self.uploader.wait_for_room()
-        if (self.local.step_path(step) / layout.MANIFEST).exists():
-            raise CheckpointExistsError(f"{self.local.step_path(step)}: step {step} is already committed")
+        self._ready_for(step)
         staged = Staged(*tree.flatten(state))
         future = self._writer.submit(self._write, step, staged, None, None, {"blocked_s": 0.0, "staging_s": 0.0})
         self._pending = SaveHandle(step, future)

@@ -40,7 +40,7 @@ from .._format.atomic import commit_dir, fsync_dir, make_scratch_dir
 from .._format.checksum import Digest
 from .._format.manifest import ShardManifest
 from ..errors import CheckpointExistsError, DistributedCommitError
-from .sharded import has_pieces, make_manifest, state_numel, write_manifest, write_rank
+from .sharded import make_manifest, state_numel, write_manifest, write_rank
 
 
 class RankGroup:
@@ -102,8 +102,7 @@ def commit_rank(root: Path, step: int, state: Any, ranks: RankGroup, *,
         numel = state_numel(state)
         info = {"size": digest.size, "crc32c": digest.crc32c, "sha256": digest.sha256, "numel": numel,
                 "header_crc32c": digest.header_crc32c,
-                "span": list(param_span) if param_span else None, "scratch": str(scratch),
-                "pieces": has_pieces(state)}
+                "span": list(param_span) if param_span else None, "scratch": str(scratch)}
     except Exception as exc:  # noqa: BLE001 - reported to every rank below
         error = exc
     infos = ranks.all_gather_json({"ok": error is None, "node": node_key(root),
@@ -154,5 +153,5 @@ def _manifest(step: int, infos: list[dict], wall: float, user: dict | None) -> S
         spans.append(span)
         offset = span[0] + span[1]
     digests = [Digest(i["size"], i["crc32c"], i["sha256"], i["header_crc32c"]) for i in infos]
-    return make_manifest(step, digests, spans, wall, user, any(i["pieces"] for i in infos))
+    return make_manifest(step, digests, spans, wall, user)
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import logging
 import os
-from contextlib import ExitStack, contextmanager
 import warnings
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any, Callable
 

@@ -81,23 +81,21 @@ def _save(state_dict_per_rank, final: Path, step: int, spans, wall_clock_seconds
     with building(final) as tmp:  # shards, then the manifest, then the atomic rename
         digests = [write_rank(tmp / layout.shard_name(rank), state, sha256)  # fsynced inside
                    for rank, state in enumerate(state_dict_per_rank)]
-        pieces = any(has_pieces(state) for state in state_dict_per_rank)
-        manifest = make_manifest(step, digests, spans, wall_clock_seconds, user, pieces)
+        manifest = make_manifest(step, digests, spans, wall_clock_seconds, user)
         write_manifest(tmp, manifest)  # last: names only durable shards
     return manifest
 
 
-def make_manifest(step: int, digests, spans, wall_clock_seconds: float, user: dict | None,
-                  pieces: bool = False) -> ShardManifest:
+def make_manifest(step: int, digests, spans, wall_clock_seconds: float, user: dict | None) -> ShardManifest:
     """The one place a checkpoint manifest is made: rank r's shard ``rank{r}.bin`` with its
-    digest (size, crc32c, sha256) and its (offset, numel) span of the flat parameter space;
-    ``pieces`` when any shard holds DTensor pieces."""
+    digest (size, crc32c, sha256; a header crc32c when it holds DTensor pieces, which makes
+    the layout "dtensor") and its (offset, numel) span of the flat parameter space."""
     entries = [ShardEntry(rank=rank, path=layout.shard_name(rank), sha256=d.sha256 or "", size=d.size, crc32c=d.crc32c,
                           param_shard_offset=span[0], param_shard_numel=span[1], header_crc32c=d.header_crc32c)
                for rank, (d, span) in enumerate(zip(digests, spans))]
     return ShardManifest(world_size=len(entries), step=step, wall_clock_seconds=float(wall_clock_seconds),
                          shards=entries, created_unix=time.time(), user=dict(user or {}),
-                         layout="dtensor" if pieces else "plain")
+                         layout="dtensor" if any(d.header_crc32c for d in digests) else "plain")
 
 
 def check_user_value(user: dict | None) -> dict:
@@ -154,13 +152,6 @@ def fill_sha256(dir: str | os.PathLike) -> ShardManifest | None:
     filled = dataclasses.replace(manifest, shards=entries)
     atomic_write_bytes(Path(dir) / layout.MANIFEST, filled.to_json().encode())
     return filled
-
-
-def has_pieces(state: Any) -> bool:
-    """Whether a rank's state (or Staged snapshot) holds DTensor pieces."""
-    from .._format import tree
-    from .._format.tree import Staged
-    return bool(tree.piece_nodes(state.skeleton if isinstance(state, Staged) else tree.flatten(state)[0]))
 
 
 def state_nbytes(state: Any) -> int:
