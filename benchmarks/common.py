@@ -31,15 +31,16 @@ def gpt_shapes(n_params: int) -> list[tuple[str, tuple[int, ...]]]:
     return shapes
 
 
-def model_adamw_state(n_params: int, seed: int = 0) -> dict:
-    """``{"model": ..., "optim": ...}`` shaped like model.state_dict() + AdamW.state_dict()."""
+def model_adamw_state(n_params: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> dict:
+    """``{"model": ..., "optim": ...}`` shaped like model.state_dict() + AdamW.state_dict(),
+    weights and moments in ``dtype`` (AdamW keeps its moments in the parameters' dtype)."""
     g = torch.Generator().manual_seed(seed)
     model, opt_state = {}, {}
     for i, (name, shape) in enumerate(gpt_shapes(n_params)):
-        w = torch.randn(shape, generator=g) * 0.02
+        w = (torch.randn(shape, generator=g) * 0.02).to(dtype)
         model[name] = w
-        opt_state[i] = {"step": torch.tensor(1000.0), "exp_avg": torch.randn(shape, generator=g) * 1e-3,
-                        "exp_avg_sq": torch.rand(shape, generator=g) * 1e-6}
+        opt_state[i] = {"step": torch.tensor(1000.0), "exp_avg": (torch.randn(shape, generator=g) * 1e-3).to(dtype),
+                        "exp_avg_sq": (torch.rand(shape, generator=g) * 1e-6).to(dtype)}
     groups = [{"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1, "amsgrad": False,
                "maximize": False, "foreach": None, "capturable": False, "differentiable": False,
                "fused": None, "params": list(opt_state)}]

@@ -43,10 +43,12 @@ class Checked:
         return b"".join(chunks)
 
     def map(self):
-        """A private (copy-on-write) mapping of the file as a uint8 tensor."""
+        """A private (copy-on-write) mapping of the file as a uint8 tensor, read whole (see
+        :meth:`sequential`)."""
         import torch
         if self.size == 0:
             return torch.empty(0, dtype=torch.uint8)
+        self.sequential()
         where = f"/proc/self/fd/{self.fd}" if os.path.isdir("/proc/self/fd") else str(self.path)
         try:
             return torch.from_file(where, shared=False, size=self.size, dtype=torch.uint8)
@@ -56,7 +58,18 @@ class Checked:
     def digest(self, sha256: bool):
         """size, crc32c (and sha256) of the file, through a read-only mapping (no torch)."""
         from .checksum import digest_fd
+        self.sequential()
         return digest_fd(self.fd, self.size, sha256)
+
+    def sequential(self) -> None:
+        """Tell the kernel the whole file is read front to back: a larger readahead window.
+        A cold verified load (the crc32c pass is what reads the file in) went from 1.75 to
+        2.25 GB/s here; a warm one does not change. Only a hint: never an error."""
+        if hasattr(os, "posix_fadvise"):
+            try:
+                os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            except OSError:
+                pass
 
     def close(self) -> None:
         if self.fd >= 0:
