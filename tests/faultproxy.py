@@ -12,7 +12,8 @@ Modes: "503" (SlowDown), "500" (InternalError), "403" (AccessDenied), "404bucket
 (NoSuchBucket), "reset" (RST instead of an answer), "drop" (the request is read,
 never answered; the connection stays open until the fault ends), "dead" (every
 new connection is reset at once). ``methods`` limits a fault to some HTTP methods,
-``path`` to request paths containing a substring.
+``path`` to request paths containing a substring, ``times`` to the next N requests
+that match.
 
 Requests that pass are forwarded over a keep-alive connection to the upstream and
 its answer relayed. Every request is counted (``counts``, by method) so tests can
@@ -59,10 +60,11 @@ class FaultProxy:
         threading.Thread(target=self._accept, daemon=True).start()
         return self
 
-    def set(self, mode: str, rate: float = 1.0, seconds: float | None = None, methods=None, path: str | None = None):
+    def set(self, mode: str, rate: float = 1.0, seconds: float | None = None, methods=None, path: str | None = None,
+            times: int | None = None):
         with self._lock:
             self._fault = {"mode": mode, "rate": rate, "until": None if seconds is None else time.monotonic() + seconds,
-                           "methods": set(methods) if methods else None, "path": path}
+                           "methods": set(methods) if methods else None, "path": path, "times": times}
             self._cleared.clear()
 
     def clear(self) -> None:
@@ -103,6 +105,14 @@ class FaultProxy:
                 return None
             if path is not None and fault["path"] and fault["path"] not in path:
                 return None
+            if fault["times"] is not None:  # counted per request (not per connection: no "dead")
+                if method is None:
+                    return None
+                fault["times"] -= 1
+                if fault["times"] <= 0:
+                    self._fault = None
+                    self._cleared.set()
+                return fault["mode"]
             return fault["mode"] if random.random() < fault["rate"] else None
 
     def _accept(self) -> None:

@@ -199,7 +199,7 @@ class RemoteTier:
         def send(rel, remote, entry, stored):
             try:
                 if not errors:
-                    self.t.put(rel, stored)
+                    self.t.put(rel, stored, crc32c=entry.stored_crc32c)
                     done[remote] = entry
                     if progress:
                         progress(entry.raw_size)
@@ -219,7 +219,9 @@ class RemoteTier:
                     parts.append(cached)  # sent by an earlier attempt
                     continue
                 runs = runs_in(spans, offset, raw.numel()) if codec == "zstd-dtype" else None
-                stored = encode(raw, codec, level, runs)  # overlaps the sends already in flight
+                # raw parts are sent straight from the mapping (no copy); the others are encoded
+                # here while the sends already in flight go on
+                stored = byte_view(raw) if codec == "raw" else encode(raw, codec, level, runs)
                 stored_crc = raw_crc if codec == "raw" else crc_hex(crc32c_update(stored))  # raw: the same bytes
                 entry = PartEntry(part, offset, raw.numel(), len(stored), raw_crc, stored_crc)
                 parts.append(entry)

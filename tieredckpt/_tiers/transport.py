@@ -14,7 +14,12 @@ Owns four things and nothing else:
 - mapping every backend exception, in one place, to RemoteError (``transient``
   says whether a retry may help), RemoteNotFoundError or RemoteAccessError;
 - keeping credentials out of every message: URLs without ``user:pass@``, and
-  option values that look like secrets replaced by ``***``.
+  option values that look like secrets replaced by ``***``;
+- sending upload parts to S3 from the caller's buffer (s3body.py) with the crc32c we
+  computed anyway as the request's ``x-amz-checksum-crc32c``: S3 checks the bytes it
+  stores against the checksum of the bytes we read, and botocore computes no CRC32 of
+  its own. Over HTTPS botocore then leaves the payload unsigned, as it does whenever
+  TLS and a checksum header cover the body; over plain HTTP it still signs it.
 
 Paths handed to the methods are relative to the remote's root.
 """
@@ -37,6 +42,7 @@ from .credentials import redact_url, scrub, secret_values, url_secrets
 REQUEST_TIMEOUT = 60.0  # seconds per request, plus one second per MB it moves
 _BYTES_PER_SECOND = 1_000_000
 _S3_DEFAULTS = {"connect_timeout": 5, "read_timeout": 30, "retries": {"max_attempts": 2, "mode": "standard"}}
+_MAX_PUT = 5 << 30  # S3's limit for one PUT; s3fs sends larger bodies as a multipart upload
 
 
 class Transport:
@@ -54,6 +60,8 @@ class Transport:
         self.root = root.rstrip("/")
         self.request_timeout = request_timeout
         self._async = isinstance(fs, AsyncFileSystem) and not getattr(fs, "asynchronous", False)
+        self._s3 = self.protocol in ("s3", "s3a") and hasattr(fs, "split_path")
+        self._checksums = self._s3 and _sends_checksums(self.options)
         self._helpers = None if self._async else ThreadPoolExecutor(16, thread_name_prefix="tieredckpt-remote")
 
     def _open(self, url: str):
@@ -64,6 +72,10 @@ class Transport:
             config = dict(options.get("config_kwargs") or {})
             for key, value in _S3_DEFAULTS.items():
                 config.setdefault(key, value)
+            if _sends_checksums(options) and _https(options):
+                # Our crc32c header and TLS cover the body: what botocore itself requires before
+                # it skips signing the payload (it cannot see a header we set ourselves).
+                config["s3"] = {"payload_signing_enabled": False, **(config.get("s3") or {})}
             options["config_kwargs"] = config
             options.setdefault("skip_instance_cache", True)  # we tune this instance; never share it
         try:
@@ -88,8 +100,19 @@ class Transport:
 
     # ---- requests -----------------------------------------------------------------------
 
-    def put(self, rel: str, data) -> None:
-        self._call("pipe_file", (self.path(rel), data), f"write {rel}", nbytes=len(data))
+    def put(self, rel: str, data, crc32c: str | None = None) -> None:
+        """Write one object. ``data``: bytes or any buffer that stays unchanged until this returns;
+        ``crc32c`` (hex, of ``data``) goes along for the server to check where it can."""
+        kwargs: dict = {}
+        if self._s3 and len(data) < _MAX_PUT:
+            from .s3body import PartBody
+            kwargs["chunksize"] = max(50 << 20, len(data))  # one PUT: s3fs splits from 2x chunksize
+            if crc32c is not None and self._checksums:
+                kwargs.update(ChecksumAlgorithm="CRC32C", ChecksumCRC32C=_b64_crc(crc32c))
+            data = PartBody(data)
+        elif not isinstance(data, bytes) and self.protocol not in ("file", "local"):
+            data = bytes(data)  # other backends may keep what they are given
+        self._call("pipe_file", (self.path(rel), data), f"write {rel}", kwargs=kwargs, nbytes=len(data))
 
     def get(self, rel: str, max_size: int) -> bytes:
         """A whole object of at most ``max_size`` bytes; a larger one is refused unread (one ranged request)."""
@@ -225,6 +248,28 @@ class Transport:
     def close(self) -> None:
         if self._helpers is not None:
             self._helpers.shutdown(wait=False, cancel_futures=True)
+
+
+def _sends_checksums(options: dict) -> bool:
+    """False when the user asked botocore for checksums only where an API requires them
+    (S3-compatible servers that refuse checksum headers): then we send none either."""
+    config = options.get("config_kwargs") or {}
+    asked = config.get("request_checksum_calculation") or os.environ.get("AWS_REQUEST_CHECKSUM_CALCULATION", "")
+    return str(asked).lower() != "when_required"
+
+
+def _https(options: dict) -> bool:
+    """Whether requests go over TLS: AWS's own endpoints do; a configured endpoint says."""
+    client = options.get("client_kwargs") or {}
+    endpoint = (options.get("endpoint_url") or client.get("endpoint_url")
+                or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or "https://")
+    return str(endpoint).lower().startswith("https://")
+
+
+def _b64_crc(crc_hex: str) -> str:
+    """S3's spelling of a crc32c: the four big-endian bytes, base64."""
+    import base64
+    return base64.b64encode(int(crc_hex, 16).to_bytes(4, "big")).decode()
 
 
 def _mtime(info: dict) -> float | None:
