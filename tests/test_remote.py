@@ -143,6 +143,26 @@ def test_corrupt_remote_object_is_named_on_restore(tmp_path, remote):
     assert not [p for p in (tmp_path / "run").iterdir() if p.name.startswith("step_")]
 
 
+def test_a_raw_part_is_checked_once_unless_its_manifest_records_two_crcs(tmp_path, remote):
+    """A raw part's stored bytes are its raw bytes, so one crc32c check covers both; an upload
+    manifest that records two different crcs for them still gets the second check, and fails."""
+    with store(tmp_path / "run", remote, compression=None, upload_part_size=4096) as s:
+        s.save(1, state(1)).wait()
+        s.wait(uploads=True)
+    r = RemoteTier(remote.url, remote.options)
+    rel = r.path("step_000001", "upload.json")
+    upload = json.loads(r.fs.cat_file(rel))
+    assert upload["codec"] == "raw"
+    part = upload["files"][0]["parts"][1]
+    assert part["raw_crc32c"] == part["stored_crc32c"]
+    part["raw_crc32c"] = f"{int(part['raw_crc32c'], 16) ^ 1:08x}"
+    r.fs.pipe_file(rel, json.dumps(upload).encode())
+    shutil.rmtree(tmp_path / "run")
+    with store(tmp_path / "run", remote) as s:
+        with pytest.raises(CorruptCheckpointError, match=r"rank0.bin.p00001.*decoded bytes fail their crc32c"):
+            s.restore()
+
+
 def test_corrupt_local_copy_falls_back_to_the_remote_with_a_warning(tmp_path, remote):
     with store(tmp_path / "run", remote) as s:
         s.save(1, state(1)).wait()
