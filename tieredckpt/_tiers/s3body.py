@@ -13,10 +13,12 @@ stay alive until the request is done (a mapped, committed shard or a part's enco
 bytes).
 
 Retries: botocore seeks a body back to 0 between its own attempts, but when it gives up
-s3fs calls ``put_object`` again with the same object, already read to its end, and every
-reader (botocore's checksum and signature, aiohttp's payload) starts from ``tell()``: the
-request would declare the part's length and send nothing. So a body read to its end that
-is asked where it is starts over -- the only reader that asks then is the next attempt's.
+s3fs calls ``put_object`` again with the same object, read to its end (or part way, if
+the connection broke mid-send), and every reader -- botocore's checksum and signature,
+aiohttp's payload -- starts from ``tell()``: the request would declare the part's length
+and send less. Each of those readers asks ``tell()`` once, before it reads the body
+whole, and nothing asks it mid-read; so ``tell()`` starts the body over, and every
+attempt sends every byte.
 """
 
 from __future__ import annotations
@@ -53,9 +55,8 @@ class PartBody(io.BytesIO):
         return self._pos
 
     def tell(self) -> int:
-        if self._pos == len(self._view):
-            self._pos = 0  # sent whole: whoever asks now is a new attempt (see the module docstring)
-        return self._pos
+        self._pos = 0  # only a reader about to read it whole asks (see the module docstring)
+        return 0
 
     def getbuffer(self) -> memoryview:
         return self._view[:]  # a view of its own: aiohttp releases what getbuffer returns
