@@ -107,6 +107,7 @@ def test_retried_puts_send_every_byte_again(tmp_path, proxied):
     ({"endpoint_url": "https://r2.example", "config_kwargs": {"request_checksum_calculation": "when_required"}},
      None, False),  # a server that refuses checksum headers: none from us either
     ({"config_kwargs": {"s3": {"payload_signing_enabled": True}}}, True, True),  # the user's choice stands
+    ({"use_ssl": False}, None, True),  # AWS without TLS: signed
 ])
 def test_s3_options_per_endpoint(options, signs, checksums):
     t = Transport("s3://bucket/run", {"key": "k", "secret": "s", **options})

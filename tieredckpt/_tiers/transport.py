@@ -261,6 +261,8 @@ def _sends_checksums(options: dict) -> bool:
 def _https(options: dict) -> bool:
     """Whether requests go over TLS: AWS's own endpoints do; a configured endpoint says."""
     client = options.get("client_kwargs") or {}
+    if options.get("use_ssl") is False or client.get("use_ssl") is False:
+        return False
     endpoint = (options.get("endpoint_url") or client.get("endpoint_url")
                 or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or "https://")
     return str(endpoint).lower().startswith("https://")
