@@ -27,6 +27,7 @@ Paths handed to the methods are relative to the remote's root.
 from __future__ import annotations
 
 import asyncio
+import base64
 import os
 import re
 from concurrent.futures import ThreadPoolExecutor
@@ -38,6 +39,7 @@ from fsspec.asyn import AsyncFileSystem
 
 from ..errors import RemoteAccessError, RemoteError, RemoteNotFoundError, TieredCkptError
 from .credentials import redact_url, scrub, secret_values, url_secrets
+from .s3body import PartBody
 
 REQUEST_TIMEOUT = 60.0  # seconds per request, plus one second per MB it moves
 _BYTES_PER_SECOND = 1_000_000
@@ -60,7 +62,7 @@ class Transport:
         self.root = root.rstrip("/")
         self.request_timeout = request_timeout
         self._async = isinstance(fs, AsyncFileSystem) and not getattr(fs, "asynchronous", False)
-        self._s3 = self.protocol in ("s3", "s3a") and hasattr(fs, "split_path")
+        self._s3 = _is_s3(self.protocol) and hasattr(fs, "split_path")
         self._checksums = self._s3 and _sends_checksums(self.options)
         self._helpers = None if self._async else ThreadPoolExecutor(16, thread_name_prefix="tieredckpt-remote")
 
@@ -68,7 +70,7 @@ class Transport:
         options = dict(self.options)
         if self.protocol in ("file", "local"):
             options.setdefault("auto_mkdir", True)  # object stores need no directories; disks do
-        if self.protocol in ("s3", "s3a"):
+        if _is_s3(self.protocol):
             config = dict(options.get("config_kwargs") or {})
             for key, value in _S3_DEFAULTS.items():
                 config.setdefault(key, value)
@@ -82,7 +84,7 @@ class Transport:
             fs, root = fsspec.core.url_to_fs(url, **options)
         except (ImportError, ValueError, TypeError) as exc:
             raise TieredCkptError(self.scrub(f"{self.display_url}: cannot open this remote ({exc})")) from None
-        if self.protocol in ("s3", "s3a") and "retries" not in self.options:
+        if _is_s3(self.protocol) and "retries" not in self.options:
             fs.retries = 2  # s3fs's own retry loop; ours is the uploader's
         return fs, root
 
@@ -105,7 +107,6 @@ class Transport:
         ``crc32c`` (hex, of ``data``) goes along for the server to check where it can."""
         kwargs: dict = {}
         if self._s3 and len(data) < _MAX_PUT:
-            from .s3body import PartBody
             kwargs["chunksize"] = max(50 << 20, len(data))  # one PUT: s3fs splits from 2x chunksize
             if crc32c is not None and self._checksums:
                 kwargs.update(ChecksumAlgorithm="CRC32C", ChecksumCRC32C=_b64_crc(crc32c))
@@ -184,7 +185,7 @@ class Transport:
         Raises RemoteNotFoundError / RemoteAccessError (permanent) or a transient RemoteError.
         ``create``: a writer may create the root directory of a disk-backed remote.
         """
-        if self.protocol in ("s3", "s3a"):
+        if _is_s3(self.protocol):
             bucket, key, _ = self.fs.split_path(self.root)
             try:
                 self._call("call_s3", ("list_objects_v2",), f"list bucket {bucket}",
@@ -250,6 +251,10 @@ class Transport:
             self._helpers.shutdown(wait=False, cancel_futures=True)
 
 
+def _is_s3(protocol: str) -> bool:
+    return protocol in ("s3", "s3a")
+
+
 def _sends_checksums(options: dict) -> bool:
     """False when the user asked botocore for checksums only where an API requires them
     (S3-compatible servers that refuse checksum headers): then we send none either."""
@@ -270,7 +275,6 @@ def _https(options: dict) -> bool:
 
 def _b64_crc(crc_hex: str) -> str:
     """S3's spelling of a crc32c: the four big-endian bytes, base64."""
-    import base64
     return base64.b64encode(int(crc_hex, 16).to_bytes(4, "big")).decode()
 
 
