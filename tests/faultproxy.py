@@ -11,9 +11,10 @@
 Modes: "503" (SlowDown), "500" (InternalError), "403" (AccessDenied), "404bucket"
 (NoSuchBucket), "reset" (RST instead of an answer), "drop" (the request is read,
 never answered; the connection stays open until the fault ends), "dead" (every
-new connection is reset at once). ``methods`` limits a fault to some HTTP methods,
-``path`` to request paths containing a substring, ``times`` to the next N requests
-that match.
+new connection is reset at once), "truncate" (the real answer, cut off half way
+through its body, then RST), "flip" (the real answer with one byte of its body
+flipped). ``methods`` limits a fault to some HTTP methods, ``path`` to request paths
+containing a substring, ``times`` to the next N requests that match.
 
 Requests that pass are forwarded over a keep-alive connection to the upstream and
 its answer relayed. Every request is counted (``counts``, by method) so tests can
@@ -161,13 +162,21 @@ class FaultProxy:
                                  headers={k: v for k, v in headers if k.lower() not in _HOP})
                 response = upstream.getresponse()
                 data = response.read()
+                if mode == "flip" and data:
+                    data = bytearray(data)
+                    data[len(data) // 2] ^= 0xFF
                 lines = [f"HTTP/1.1 {response.status} {response.reason}"]
                 for key, value in response.getheaders():
                     if key.lower() not in _HOP and key.lower() != "content-length":
                         lines.append(f"{key}: {value}")
                 length = response.getheader("content-length") if method == "HEAD" else str(len(data))
                 lines.append(f"Content-Length: {length or 0}")
-                conn.sendall(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + (b"" if method == "HEAD" else data))
+                head = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+                if mode == "truncate":
+                    conn.sendall(head + bytes(data[:len(data) // 2]))
+                    _reset(conn)
+                    return
+                conn.sendall(head + (b"" if method == "HEAD" else bytes(data)))
         except (OSError, http.client.HTTPException):
             return
         finally:

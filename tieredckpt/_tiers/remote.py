@@ -262,36 +262,55 @@ class RemoteTier:
         self._fetch_part(upload, fd, part, None)
 
     def _fetch_part(self, upload: UploadManifest, fd: int, part: PartEntry, progress) -> None:
-        from .._format.codec import decode_into  # torch: only when something is fetched
         rel = f"{layout.step_dir_name(upload.step)}/{part.path}"
         try:
-            stored = self.t.get(rel, part.stored_size)  # never more than the manifest declares
+            if upload.codec == "raw" and part.stored_size and part.raw_crc32c == part.stored_crc32c:
+                self._stream_raw(rel, fd, part)
+            else:  # decoded only after its stored bytes pass their crc32c (a forged raw entry too)
+                self._fetch_decoded(rel, fd, part, upload.codec)
         except RemoteNotFoundError:
             raise MissingShardError(f"{self.where(rel)}: part missing on the remote (the step was deleted "
                                     "meanwhile, or the remote is damaged)") from None
-        got = crc_hex(crc32c_update(stored))
-        if len(stored) != part.stored_size or got != part.stored_crc32c:
-            raise CorruptCheckpointError(
-                f"{self.where(rel)}: {len(stored)} bytes with crc32c {got}, the upload manifest records "
-                f"{part.stored_size} bytes with {part.stored_crc32c} (corrupt remote object)")
+        if progress:
+            progress(part.raw_size)
+
+    def _stream_raw(self, rel: str, fd: int, part: PartEntry) -> None:
+        """A raw part written at its offset as it arrives, never buffered whole, its crc32c computed on
+        the way: its stored bytes are its raw bytes, so one check covers both. A part that fails it has
+        left bytes in the caller's scratch file, which is discarded (or the part fetched again)."""
+        at: dict = {}
+
+        def open_sink():  # one per attempt: a retry after a broken body starts over
+            at.update(crc=0, offset=part.offset)
+
+            def write(chunk) -> None:
+                at["crc"] = crc32c_update(chunk, at["crc"])
+                _pwrite_all(fd, chunk, at["offset"])
+                at["offset"] += len(chunk)
+            return write
+        size = self.t.get_stream(rel, part.stored_size, open_sink)  # never more than declared
+        self._check_stored(rel, part, size, crc_hex(at["crc"]))
+
+    def _fetch_decoded(self, rel: str, fd: int, part: PartEntry, codec: str) -> None:
+        from .._format.codec import decode_into  # torch: only when something is fetched
+        stored = self.t.get(rel, part.stored_size)  # never more than the manifest declares
+        self._check_stored(rel, part, len(stored), crc_hex(crc32c_update(stored)))
         crc, offset = 0, part.offset
-        # raw: the stored bytes are the raw bytes, whose crc32c was just checked (a manifest that
-        # records two different crcs for them gets the second check, and fails it)
-        checked = upload.codec == "raw" and part.raw_crc32c == part.stored_crc32c
 
         def write(chunk: memoryview) -> None:
             nonlocal crc, offset
-            if not checked:
-                crc = crc32c_update(chunk, crc)
-            written = 0
-            while written < len(chunk):
-                written += os.pwrite(fd, chunk[written:], offset + written)
+            crc = crc32c_update(chunk, crc)
+            _pwrite_all(fd, chunk, offset)
             offset += len(chunk)
-        decode_into(stored, upload.codec, part.raw_size, write, self.where(rel))
-        if not checked and crc_hex(crc) != part.raw_crc32c:
+        decode_into(stored, codec, part.raw_size, write, self.where(rel))
+        if crc_hex(crc) != part.raw_crc32c:
             raise CorruptCheckpointError(f"{self.where(rel)}: decoded bytes fail their crc32c (corrupt remote object)")
-        if progress:
-            progress(part.raw_size)
+
+    def _check_stored(self, rel: str, part: PartEntry, size: int, crc: str) -> None:
+        if size != part.stored_size or crc != part.stored_crc32c:
+            raise CorruptCheckpointError(
+                f"{self.where(rel)}: {size} bytes with crc32c {crc}, the upload manifest records "
+                f"{part.stored_size} bytes with {part.stored_crc32c} (corrupt remote object)")
 
     # ---- deletion -----------------------------------------------------------------------
 
@@ -348,6 +367,12 @@ class RemoteTier:
 
     def close(self) -> None:
         self.t.close()
+
+
+def _pwrite_all(fd: int, data, offset: int) -> None:
+    written = 0
+    while written < len(data):
+        written += os.pwrite(fd, data[written:], offset + written)
 
 
 def local_side_files(run_dir: Path) -> list[str]:

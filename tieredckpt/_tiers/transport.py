@@ -35,6 +35,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Callable
 
 import fsspec
+import fsspec.asyn
 from fsspec.asyn import AsyncFileSystem
 
 from ..errors import RemoteAccessError, RemoteError, RemoteNotFoundError, TieredCkptError
@@ -44,6 +45,7 @@ from .s3body import PartBody
 REQUEST_TIMEOUT = 60.0  # seconds per request, plus one second per MB it moves
 _BYTES_PER_SECOND = 1_000_000
 _S3_DEFAULTS = {"connect_timeout": 5, "read_timeout": 30, "retries": {"max_attempts": 2, "mode": "standard"}}
+_STREAM_CHUNK = 1 << 20  # what get_stream hands its sink at a time
 _MAX_PUT = 5 << 30  # S3's limit for one PUT; s3fs sends larger bodies as a multipart upload
 
 
@@ -123,6 +125,55 @@ class Transport:
             raise RemoteError(f"{self.where(rel)}: larger than the {max_size} bytes allowed for it "
                               "(not written by tieredckpt?)", transient=False)
         return data
+
+    def get_stream(self, rel: str, max_size: int, open_sink: Callable[[], Callable[[Any], None]]) -> int:
+        """Like :meth:`get`, but the object is handed to a sink in chunks of about 1 MiB as it arrives,
+        never held whole (on S3; other backends read it whole first). Returns its size.
+
+        ``open_sink()`` gives the chunk consumer of one attempt: when the body breaks part way (a
+        transient error), the request is made again, up to s3fs's retry count, with a new sink,
+        which starts over. The deadline is one, for all attempts, as for any request."""
+        if not (self._s3 and self._async):
+            data = memoryview(self.get(rel, max_size))
+            write = open_sink()
+            for start in range(0, len(data), _STREAM_CHUNK):
+                write(data[start:start + _STREAM_CHUNK])
+            return len(data)
+        timeout = self.request_timeout + max_size / _BYTES_PER_SECOND
+        try:
+            return fsspec.asyn.sync(self.fs.loop, self._stream, rel, max_size, open_sink, timeout=timeout)
+        except TieredCkptError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - mapped, as in _call
+            raise self.map_error(exc, f"read {rel}", timeout) from None
+
+    async def _stream(self, rel: str, max_size: int, open_sink) -> int:
+        bucket, key, _ = self.fs.split_path(self.path(rel))
+        attempts, attempt = max(1, getattr(self.fs, "retries", 1)), 1
+        while True:
+            try:
+                return await self._stream_once(bucket, key, rel, max_size, open_sink())
+            except TieredCkptError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - a broken body is retried, anything else raised
+                if attempt >= attempts or not is_transient(exc):
+                    raise
+                attempt += 1
+
+    async def _stream_once(self, bucket: str, key: str, rel: str, max_size: int, write) -> int:
+        response = await self.fs._call_s3("get_object", Bucket=bucket, Key=key, Range=f"bytes=0-{max_size}",
+                                          **self.fs.req_kw)
+        body, size = response["Body"], 0
+        try:
+            while chunk := await body.read(_STREAM_CHUNK):
+                size += len(chunk)
+                if size > max_size:
+                    raise RemoteError(f"{self.where(rel)}: larger than the {max_size} bytes allowed for it "
+                                      "(not written by tieredckpt?)", transient=False)
+                write(chunk)
+        finally:
+            body.close()
+        return size
 
     def get_optional(self, rel: str, max_size: int) -> bytes | None:
         """Like :meth:`get`, but None when the object does not exist."""
