@@ -5,7 +5,7 @@
 The state is a GPT-shaped transformer trained a few AdamW steps on CPU in each
 dtype (its optimizer state in the same dtype), saved as one tieredckpt shard.
 Each codec encodes the shard the way the uploader does (64 MiB parts; zstd-dtype
-with the element-width runs from the shard header) and decodes it back; the
+with the element-width runs from the shard header, into one reused frame buffer) and decodes it back; the
 result must equal the shard byte for byte. Reported per dtype and codec: stored
 bytes / raw bytes (what goes over the wire), and encode and decode seconds of CPU
 per GB of raw bytes (median of the repeats, spread in brackets). No network is
@@ -29,7 +29,7 @@ from bench_remote import cpu_seconds, trained_state  # noqa: E402
 from common import median, table  # noqa: E402
 
 from tieredckpt._format.checksum import map_file  # noqa: E402
-from tieredckpt._format.codec import decode, encode, runs_in  # noqa: E402
+from tieredckpt._format.codec import decode, encode, frame_bound, runs_in  # noqa: E402
 from tieredckpt._format.shardheader import float_spans  # noqa: E402
 from tieredckpt._tiers.sharded import save_sharded  # noqa: E402
 
@@ -43,11 +43,13 @@ def round_trip(shard: str, codec: str) -> tuple[int, float, float]:
     buf = map_file(shard, size)
     spans = float_spans(shard) if codec == "zstd-dtype" else []
     stored_total, enc, dec = 0, 0.0, 0.0
+    frame = bytearray(PART + (1 << 20)) if codec == "zstd-dtype" else None  # reused, as the uploader's pool does
     for offset in range(0, size, PART):
         raw = buf[offset:offset + PART]
         runs = runs_in(spans, offset, raw.numel()) if codec == "zstd-dtype" else None
         t0 = cpu_seconds()
-        stored = encode(raw, codec, 1, runs)
+        out = frame if frame is not None and len(frame) >= frame_bound(raw.numel(), runs) else None
+        stored = encode(raw, codec, 1, runs, out=out)
         t1 = cpu_seconds()
         back = decode(stored, codec, raw.numel(), shard)
         t2 = cpu_seconds()

@@ -39,12 +39,17 @@ from .memview import byte_view
 _LEN = struct.Struct("<Q")
 
 
-def encode(raw: torch.Tensor, codec: str, level: int = 1, runs: list[tuple[int, int]] | None = None) -> bytes:
-    """Encode a contiguous uint8 tensor (e.g. a slice of a mapped shard file). ``runs``
-    ((length, element width) covering ``raw``, see ``runs_in``) feed zstd-dtype; without
-    them all bytes are width 1."""
+def encode(raw: torch.Tensor, codec: str, level: int = 1, runs: list[tuple[int, int]] | None = None,
+           out: bytearray | None = None):
+    """Encode a contiguous uint8 tensor (e.g. a slice of a mapped shard file) into a bytes-like
+    object. ``runs`` ((length, element width) covering ``raw``, see ``runs_in``) feed zstd-dtype;
+    without them all bytes are width 1. ``out``: a buffer zstd-dtype may write its frame into
+    (see ``frame_bound``); the result is then a view of it, valid until the buffer is reused
+    (without one: bytes)."""
     if codec == "zstd-dtype":
-        return _encode_dtype(raw, level, runs if runs is not None else [(raw.numel(), 1)] if raw.numel() else [])
+        runs = runs if runs is not None else [(raw.numel(), 1)] if raw.numel() else []
+        frame = _encode_dtype(raw, level, runs, out)
+        return frame if out is not None else bytes(frame)
     if codec == "raw":
         return bytes(byte_view(raw))
     if codec == "zstd":
@@ -209,29 +214,79 @@ def _coalesce(spans: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
     return [s for s in joined if s[1] - s[0] >= _MIN_RUN]
 
 
-def _encode_dtype(raw: torch.Tensor, level: int, runs: list[tuple[int, int]]) -> bytes:
+def frame_bound(raw_size: int, runs: list[tuple[int, int]]) -> int:
+    """The most bytes a zstd-dtype frame of ``raw_size`` bytes in ``runs`` can take: its tables
+    and every plane stored (a plane is only ever replaced by something smaller)."""
+    planes = sum(width for width in {w for _, w in runs})
+    return _COUNT.size + _RUN.size * len(runs) + _PLANE.size * planes + raw_size
+
+
+def _encode_dtype(raw: torch.Tensor, level: int, runs: list[tuple[int, int]], out: bytearray | None = None):
+    """The frame, written into ``out`` (a reused buffer of at least ``frame_bound`` bytes; a fresh
+    one without it), as a memoryview of its start. Each byte plane is gathered straight into its
+    place in the frame; a plane that compresses is then replaced there by its zstd frame. Nothing
+    else is allocated but zstd's output: fresh memory costs a page fault per 4 KiB on a VM, which
+    was half of this codec's client CPU when every plane and the joined frame were new."""
     if sum(n for n, _ in runs) != raw.numel() or any(w not in WIDTHS or n % w for n, w in runs):
         raise ValueError(f"runs {runs[:4]}... do not cover {raw.numel()} bytes in whole elements")
+    need = frame_bound(raw.numel(), runs)
+    out = bytearray(need) if out is None else out
+    if len(out) < need:
+        raise ValueError(f"a frame buffer of {len(out)} bytes is smaller than the {need} this part may take")
+    view, frame = memoryview(out), torch.frombuffer(out, dtype=torch.uint8)
     groups: dict[int, list[torch.Tensor]] = {}
     pos = 0
     for n, width in runs:
-        groups.setdefault(width, []).append(raw[pos:pos + n])
+        groups.setdefault(width, []).append(raw[pos:pos + n].view(-1, width))
         pos += n
-    out = [_COUNT.pack(len(runs)), *(_RUN.pack(n, w) for n, w in runs)]
-    zstd = zstandard.ZstdCompressor(level=level)
+    pos = _put(view, 0, _COUNT.pack(len(runs)))
+    for n, width in runs:
+        pos = _put(view, pos, _RUN.pack(n, width))
+    bytes_z, floats_z = _compressors(level)
     for width in WIDTHS:
-        if width not in groups:
-            continue
-        data = torch.cat(groups[width]) if len(groups[width]) > 1 else groups[width][0]
-        words = data.view(-1, width)
-        for k in range(width):
-            plane = byte_view(words[:, k].contiguous())  # a column gather: 2-4x faster than a transpose
+        for k in range(width if width in groups else 0):
+            body = pos + _PLANE.size
+            size = _gather(groups[width], k, frame[body:])  # a column gather: 2-4x faster than a transpose
+            plane = view[body:body + size]
+            zstd = bytes_z if width == 1 else floats_z
             packed = zstd.compress(plane) if k in _SQUEEZED[width] or _worth_trying(zstd, plane) else None
-            if packed is not None and len(packed) < len(plane):
-                out += [_PLANE.pack(1, len(packed)), packed]
+            if packed is not None and len(packed) < size:
+                _PLANE.pack_into(out, pos, 1, len(packed))
+                pos = _put(view, body, packed)  # over the plane it came from: zstd is done with it
             else:
-                out += [_PLANE.pack(0, len(plane)), plane]  # joined below without another copy
-    return b"".join(out)
+                _PLANE.pack_into(out, pos, 0, size)
+                pos = body + size
+    return view[:pos]
+
+
+def _put(view: memoryview, pos: int, data) -> int:
+    view[pos:pos + len(data)] = data
+    return pos + len(data)
+
+
+def _gather(group: list[torch.Tensor], k: int, dest: torch.Tensor) -> int:
+    """Byte ``k`` of every element of the (elements, width) views in ``group``, one after the other,
+    into the front of ``dest``; returns how many."""
+    at = 0
+    for words in group:
+        dest[at:at + words.shape[0]].copy_(words[:, k])
+        at += words.shape[0]
+    return at
+
+
+def _compressors(level: int) -> tuple[zstandard.ZstdCompressor, zstandard.ZstdCompressor]:
+    """(for plain bytes, for float planes). At level 1, the default, a float plane's compressor
+    keeps a 64-entry match table and 7-byte minimum matches: a sign-and-exponent plane is
+    3-4 bits of entropy per byte with short chance repeats all through it; level 1 spends its
+    time finding and coding those, where the table this small lets zstd skip ahead and
+    Huffman-code the bytes. Measured on the fp32 AdamW state here: twice as fast, and smaller
+    (0.31 of the plane against level 1's 0.34). Other levels are taken as they are."""
+    plain = zstandard.ZstdCompressor(level=level)
+    if level != 1:
+        return plain, plain
+    return plain, zstandard.ZstdCompressor(compression_params=zstandard.ZstdCompressionParameters(
+        window_log=17, hash_log=6, chain_log=6, search_log=1, min_match=7, target_length=0,
+        strategy=zstandard.STRATEGY_FAST))
 
 
 _SAMPLE = 64 << 10

@@ -47,6 +47,7 @@ from ..errors import (
     RemoteError,
     RemoteNotFoundError,
 )
+from .framepool import FramePool
 from .sharded import shard_path
 from .transport import REQUEST_TIMEOUT, Transport
 
@@ -155,9 +156,10 @@ class RemoteTier:
         sent (by remote path) across attempts, so a retry resumes instead of restarting."""
         step_dir = layout.step_dir_name(manifest.step)
         done = {} if done is None else done
+        frames = FramePool(self.part_size + (1 << 20))  # for this step's parts; freed when it is sent
         return [UploadedFile(shard.path, shard.size,
                              self._upload_file(shard_path(local_dir, shard), shard.path, shard.size, step_dir,
-                                               codec, level, done, progress))
+                                               codec, level, done, progress, frames))
                 for shard in shards]
 
     def commit_upload(self, manifest: ShardManifest, codec: str, files: list[UploadedFile],
@@ -187,8 +189,8 @@ class RemoteTier:
             raise RemoteError(f"{self.where(step_dir)}: {len(missing)} uploaded part(s) are missing or short "
                               f"on the remote (first: {missing[0]}); sending them again", transient=True)
 
-    def _upload_file(self, path, name, size, step_dir, codec, level, done, progress) -> list[PartEntry]:
-        from .._format.codec import encode, runs_in  # torch: only when something is sent
+    def _upload_file(self, path, name, size, step_dir, codec, level, done, progress, frames) -> list[PartEntry]:
+        from .._format.codec import encode, frame_bound, runs_in  # torch: only when something is sent
         from .._format.memview import byte_view
         buf = map_file(path, size)
         spans = float_spans(path) if codec == "zstd-dtype" else []
@@ -196,13 +198,15 @@ class RemoteTier:
         in_flight = threading.BoundedSemaphore(self.concurrency + 1)
         errors: list[BaseException] = []
 
-        def send(rel, remote, entry, stored):
+        def send(rel, remote, entry, stored, frame):
             try:
                 if not errors:
                     self.t.put(rel, stored, crc32c=entry.stored_crc32c)
                     done[remote] = entry
                     if progress:
                         progress(entry.raw_size)
+                    if frame is not None:
+                        frames.give(frame)  # sent: the request that read it is over (a failed one is not)
             except BaseException as exc:  # noqa: BLE001 - handed to the caller below
                 errors.append(exc)
             finally:
@@ -219,9 +223,10 @@ class RemoteTier:
                     parts.append(cached)  # sent by an earlier attempt
                     continue
                 runs = runs_in(spans, offset, raw.numel()) if codec == "zstd-dtype" else None
+                frame = frames.take(frame_bound(raw.numel(), runs)) if codec == "zstd-dtype" else None
                 # raw parts are sent straight from the mapping (no copy); the others are encoded
-                # here while the sends already in flight go on
-                stored = byte_view(raw) if codec == "raw" else encode(raw, codec, level, runs)
+                # here (zstd-dtype into a reused frame) while the sends already in flight go on
+                stored = byte_view(raw) if codec == "raw" else encode(raw, codec, level, runs, out=frame)
                 stored_crc = raw_crc if codec == "raw" else crc_hex(crc32c_update(stored))  # raw: the same bytes
                 entry = PartEntry(part, offset, raw.numel(), len(stored), raw_crc, stored_crc)
                 parts.append(entry)
@@ -229,7 +234,7 @@ class RemoteTier:
                 if errors:
                     in_flight.release()
                     break
-                pool.submit(send, f"{step_dir}/{part}", remote, entry, stored)
+                pool.submit(send, f"{step_dir}/{part}", remote, entry, stored, frame)
         if errors:
             raise errors[0]
         return parts

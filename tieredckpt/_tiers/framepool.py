@@ -1,0 +1,34 @@
+"""Buffers that encoded parts are written into, reused from one part to the next.
+
+A fresh 64 MiB buffer costs a page fault per 4 KiB the first time it is written (on
+this VM, 0.2-0.7 s per GB); the encoded frames of one upload reuse a handful instead.
+A buffer goes back to the pool only after the request that sent it has returned
+successfully: after a failure (a timeout may leave the request running on the event
+loop) it is dropped, so nothing still reading it can ever see it overwritten.
+"""
+
+from __future__ import annotations
+
+import threading
+
+
+class FramePool:
+    """At most as many buffers as parts are encoded or in flight at once; each at least ``size``."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._free: list[bytearray] = []
+        self._lock = threading.Lock()
+
+    def take(self, need: int) -> bytearray:
+        """A buffer of at least ``need`` bytes: a returned one if it is large enough, else a new one."""
+        with self._lock:
+            for i, buf in enumerate(self._free):
+                if len(buf) >= need:
+                    return self._free.pop(i)
+        return bytearray(max(need, self.size))
+
+    def give(self, buf: bytearray) -> None:
+        """``buf`` is no longer read by anything: the next part may be written into it."""
+        with self._lock:
+            self._free.append(buf)
