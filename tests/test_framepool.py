@@ -9,12 +9,13 @@ from tieredckpt import CheckpointStore
 from tieredckpt._format.compare import first_difference
 from tieredckpt._tiers import remote as remote_module
 from tieredckpt._tiers.framepool import FramePool
+from tieredckpt._tiers.local import LocalTier
 from tieredckpt._tiers.remote import RemoteTier
 from tieredckpt._tiers.sharded import save_sharded
 from tieredckpt.errors import RemoteError
 
 
-def test_the_pool_hands_back_only_buffers_large_enough():
+def test_the_pool_hands_back_only_buffers_large_enough_and_holds_no_more_than_were_in_use():
     pool = FramePool(100)
     small = pool.take(10)
     assert len(small) == 100  # never smaller than the pool's size
@@ -22,9 +23,16 @@ def test_the_pool_hands_back_only_buffers_large_enough():
     assert pool.take(50) is small
     pool.give(small)
     big = pool.take(500)
-    assert big is not small and len(big) == 500
+    assert big is not small and len(big) == 500 + 500 // 16  # a little to spare for the next part
     pool.give(big)
-    assert pool.take(400) is big and pool.take(80) is small
+    assert pool.take(400) is big
+    sized = FramePool(0)
+    held = [sized.take(n) for n in (1000, 2000)]
+    for buf in held:
+        sized.give(buf)
+    for n in range(3000, 3010):  # growing parts: each new buffer lets a too-small one go
+        sized.give(sized.take(n))
+    assert len(sized._free) <= 2
 
 
 class RecordingFS:
@@ -86,4 +94,48 @@ def test_frames_are_reused_and_one_a_failed_request_holds_is_never_overwritten(t
     assert all(b is not body.obj for b in given) and len(given) >= parts - r.concurrency - 2
     assert bytes(body) == then
     with CheckpointStore(tmp_path / "fresh", url, read_only=True) as fresh:
+        assert first_difference(_state(), fresh.restore()) is None
+
+
+def test_compressed_parts_download_through_reused_buffers_and_a_failed_one_is_let_go(tmp_path, monkeypatch):
+    taken, given = [], []
+
+    class Counting(FramePool):
+        def take(self, need):
+            taken.append(super().take(need))
+            return taken[-1]
+
+        def give(self, buf):
+            given.append(buf)
+            super().give(buf)
+    monkeypatch.setattr(remote_module, "FramePool", Counting)
+    local = tmp_path / "local" / "step_000005"
+    manifest = save_sharded([_state()], local, 5)
+    url = f"file://{tmp_path / 'remote'}"
+    RemoteTier(url, part_size=64 << 10).upload(local, manifest)
+    r = RemoteTier(url, concurrency=1)  # one part at a time: the buffer last taken is the failing part's
+    real = r.t.get_stream
+    broken = []
+
+    def get_stream(rel, max_size, open_sink):
+        if not broken:  # the first part's body breaks after its first chunk, for good
+            def failing_sink():
+                write = open_sink()
+
+                def first_then_fail(chunk):
+                    write(chunk[:10])
+                    broken.append(taken[-1])
+                    raise ConnectionResetError("reset by peer")
+                return first_then_fail
+            return real(rel, max_size, failing_sink)
+        return real(rel, max_size, open_sink)
+    monkeypatch.setattr(r.t, "get_stream", get_stream)
+    with pytest.raises(ConnectionResetError):
+        LocalTier(tmp_path / "a").download(5, r)
+    assert broken and all(b is not broken[0] for b in given)  # never handed to another part
+    taken.clear(), given.clear()
+    LocalTier(tmp_path / "b").download(5, r)
+    parts = sum(len(f.parts) for f in r.upload_manifest(5).files)
+    assert len(given) == parts and len({id(b) for b in taken}) <= r.concurrency + 1
+    with CheckpointStore(tmp_path / "b", read_only=True) as fresh:
         assert first_difference(_state(), fresh.restore()) is None

@@ -21,12 +21,16 @@ class FramePool:
         self._lock = threading.Lock()
 
     def take(self, need: int) -> bytearray:
-        """A buffer of at least ``need`` bytes: a returned one if it is large enough, else a new one."""
+        """A buffer of at least ``need`` bytes: a returned one if it is large enough, else a new one
+        (with 1/16 to spare, for the next part a little larger). A returned buffer too small is let go
+        then, so the pool never holds more buffers than were in use at once."""
         with self._lock:
             for i, buf in enumerate(self._free):
                 if len(buf) >= need:
                     return self._free.pop(i)
-        return bytearray(max(need, self.size))
+            if self._free:
+                self._free.pop()
+        return bytearray(max(need + need // 16, self.size))
 
     def give(self, buf: bytearray) -> None:
         """``buf`` is no longer read by anything: the next part may be written into it."""

@@ -253,8 +253,9 @@ class RemoteTier:
                 fds.append(fd)
                 os.ftruncate(fd, f.size)
                 jobs += [(fd, part) for part in f.parts]
+            frames = FramePool(0)  # compressed parts land here before decoding, each sized to its part
             with ThreadPoolExecutor(self.concurrency, thread_name_prefix="tieredckpt-download") as pool:
-                for _ in pool.map(lambda job: self._fetch_part(upload, *job, progress), jobs):
+                for _ in pool.map(lambda job: self._fetch_part(upload, *job, progress, frames), jobs):
                     pass
             for fd in fds:
                 os.fsync(fd)
@@ -264,15 +265,15 @@ class RemoteTier:
 
     def fetch_part(self, upload: UploadManifest, fd: int, part: PartEntry) -> None:
         """One part, verified (stored and decoded crc32c), written at its offset into ``fd``."""
-        self._fetch_part(upload, fd, part, None)
+        self._fetch_part(upload, fd, part, None, FramePool(0))
 
-    def _fetch_part(self, upload: UploadManifest, fd: int, part: PartEntry, progress) -> None:
+    def _fetch_part(self, upload: UploadManifest, fd: int, part: PartEntry, progress, frames: FramePool) -> None:
         rel = f"{layout.step_dir_name(upload.step)}/{part.path}"
         try:
             if upload.codec == "raw" and part.stored_size and part.raw_crc32c == part.stored_crc32c:
                 self._stream_raw(rel, fd, part)
             else:  # decoded only after its stored bytes pass their crc32c (a forged raw entry too)
-                self._fetch_decoded(rel, fd, part, upload.codec)
+                self._fetch_decoded(rel, fd, part, upload.codec, frames)
         except RemoteNotFoundError:
             raise MissingShardError(f"{self.where(rel)}: part missing on the remote (the step was deleted "
                                     "meanwhile, or the remote is damaged)") from None
@@ -296,10 +297,28 @@ class RemoteTier:
         size = self.t.get_stream(rel, part.stored_size, open_sink)  # never more than declared
         self._check_stored(rel, part, size, crc_hex(at["crc"]))
 
-    def _fetch_decoded(self, rel: str, fd: int, part: PartEntry, codec: str) -> None:
+    def _fetch_decoded(self, rel: str, fd: int, part: PartEntry, codec: str, frames: FramePool) -> None:
+        """A compressed part: streamed into a reused buffer (never fresh memory), its stored crc32c
+        checked, then decoded into the file with the crc32c of its raw bytes checked on the way. The
+        buffer goes back only after success: after a failure a request may still be writing into it."""
         from .._format.codec import decode_into  # torch: only when something is fetched
-        stored = self.t.get(rel, part.stored_size)  # never more than the manifest declares
-        self._check_stored(rel, part, len(stored), crc_hex(crc32c_update(stored)))
+        buf = frames.take(part.stored_size)
+        view, at = memoryview(buf), {}
+
+        def open_sink():  # one per attempt: a retry after a broken body starts over
+            at.update(size=0, crc=0)
+
+            def write(chunk) -> None:
+                end = at["size"] + len(chunk)
+                if end > part.stored_size:  # get_stream refuses this too; never past the buffer
+                    raise CorruptCheckpointError(f"{self.where(rel)}: larger than the {part.stored_size} "
+                                                 "bytes its manifest records (corrupt remote object)")
+                view[at["size"]:end] = chunk
+                at["crc"] = crc32c_update(chunk, at["crc"])
+                at["size"] = end
+            return write
+        size = self.t.get_stream(rel, part.stored_size, open_sink)  # never more than declared
+        self._check_stored(rel, part, size, crc_hex(at["crc"]))
         crc, offset = 0, part.offset
 
         def write(chunk: memoryview) -> None:
@@ -307,9 +326,10 @@ class RemoteTier:
             crc = crc32c_update(chunk, crc)
             _pwrite_all(fd, chunk, offset)
             offset += len(chunk)
-        decode_into(stored, codec, part.raw_size, write, self.where(rel))
+        decode_into(view[:size], codec, part.raw_size, write, self.where(rel))
         if crc_hex(crc) != part.raw_crc32c:
             raise CorruptCheckpointError(f"{self.where(rel)}: decoded bytes fail their crc32c (corrupt remote object)")
+        frames.give(buf)
 
     def _check_stored(self, rel: str, part: PartEntry, size: int, crc: str) -> None:
         if size != part.stored_size or crc != part.stored_crc32c:
