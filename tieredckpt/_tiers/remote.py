@@ -190,7 +190,8 @@ class RemoteTier:
                               f"on the remote (first: {missing[0]}); sending them again", transient=True)
 
     def _upload_file(self, path, name, size, step_dir, codec, level, done, progress, frames) -> list[PartEntry]:
-        from .._format.codec import encode, frame_bound, runs_in  # torch: only when something is sent
+        # torch: imported only when something is sent
+        from .._format.codec import encode, frame_bound, runs_in
         from .._format.memview import byte_view
         buf = map_file(path, size)
         spans = float_spans(path) if codec == "zstd-dtype" else []
