@@ -30,7 +30,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from .._format import layout
 from .._format.atomic import atomic_write_bytes
@@ -282,21 +282,31 @@ class RemoteTier:
             progress(part.raw_size)
 
     def _stream_raw(self, rel: str, fd: int, part: PartEntry) -> None:
-        """A raw part written at its offset as it arrives, never buffered whole, its crc32c computed on
-        the way: its stored bytes are its raw bytes, so one check covers both. A part that fails it has
-        left bytes in the caller's scratch file, which is discarded (or the part fetched again)."""
+        """A raw part written at its offset as it arrives, never buffered whole: its stored bytes are
+        its raw bytes, so one check covers both. A part that fails it has left bytes in the caller's
+        scratch file, which is discarded (or the part fetched again)."""
+        self._stream_checked(rel, part, lambda chunk, at: _pwrite_all(fd, chunk, part.offset + at))
+
+    def _stream_checked(self, rel: str, part: PartEntry, put: Callable[[Any, int], None]) -> int:
+        """Stream a part's stored bytes to ``put(chunk, position in the part)``, never more than the
+        manifest declares, their crc32c computed on the way and checked at the end; returns the size."""
         at: dict = {}
 
         def open_sink():  # one per attempt: a retry after a broken body starts over
-            at.update(crc=0, offset=part.offset)
+            at.update(size=0, crc=0)
 
             def write(chunk) -> None:
+                end = at["size"] + len(chunk)
+                if end > part.stored_size:  # get_stream refuses this too; never past the part
+                    raise CorruptCheckpointError(f"{self.where(rel)}: larger than the {part.stored_size} "
+                                                 "bytes its manifest records (corrupt remote object)")
+                put(chunk, at["size"])
                 at["crc"] = crc32c_update(chunk, at["crc"])
-                _pwrite_all(fd, chunk, at["offset"])
-                at["offset"] += len(chunk)
+                at["size"] = end
             return write
-        size = self.t.get_stream(rel, part.stored_size, open_sink)  # never more than declared
+        size = self.t.get_stream(rel, part.stored_size, open_sink)
         self._check_stored(rel, part, size, crc_hex(at["crc"]))
+        return size
 
     def _fetch_decoded(self, rel: str, fd: int, part: PartEntry, codec: str, frames: FramePool) -> None:
         """A compressed part: streamed into a reused buffer (never fresh memory), its stored crc32c
@@ -304,22 +314,11 @@ class RemoteTier:
         buffer goes back only after success: after a failure a request may still be writing into it."""
         from .._format.codec import decode_into  # torch: only when something is fetched
         buf = frames.take(part.stored_size)
-        view, at = memoryview(buf), {}
+        view = memoryview(buf)
 
-        def open_sink():  # one per attempt: a retry after a broken body starts over
-            at.update(size=0, crc=0)
-
-            def write(chunk) -> None:
-                end = at["size"] + len(chunk)
-                if end > part.stored_size:  # get_stream refuses this too; never past the buffer
-                    raise CorruptCheckpointError(f"{self.where(rel)}: larger than the {part.stored_size} "
-                                                 "bytes its manifest records (corrupt remote object)")
-                view[at["size"]:end] = chunk
-                at["crc"] = crc32c_update(chunk, at["crc"])
-                at["size"] = end
-            return write
-        size = self.t.get_stream(rel, part.stored_size, open_sink)  # never more than declared
-        self._check_stored(rel, part, size, crc_hex(at["crc"]))
+        def put(chunk, at: int) -> None:
+            view[at:at + len(chunk)] = chunk
+        size = self._stream_checked(rel, part, put)
         crc, offset = 0, part.offset
 
         def write(chunk: memoryview) -> None:
