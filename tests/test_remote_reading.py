@@ -209,7 +209,7 @@ def test_a_restore_killed_mid_download_leaves_nothing_that_outlives_the_next_ope
     assert any(".tmp-" in p.name for p in fresh.iterdir())
     assert not (fresh / "step_000001").exists()  # nothing half-downloaded looks like a checkpoint
     with CheckpointStore(fresh, remote.url, remote_options=remote.options) as s:
-        assert not any(".tmp-" in p.name for p in fresh.iterdir())  # cleaned at open
+        assert not [p.name for p in fresh.iterdir() if ".tmp-" in p.name]  # cleaned at open
         assert s.restore()["w"].equal(big["w"])
 
 
