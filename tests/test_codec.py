@@ -1,6 +1,7 @@
 """zstd-dtype: byte planes by each tensor's element size, from the shard header."""
 
 import struct
+from unittest import mock
 
 import pytest
 import torch
@@ -9,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tieredckpt import CheckpointStore, CorruptCheckpointError
+from tieredckpt._format import codec
 from tieredckpt._format.codec import decode, encode, frame_bound, runs_in
 from tieredckpt._format.compare import first_difference
 from tieredckpt._format.shardheader import float_spans
@@ -140,3 +142,58 @@ def test_float_spans_come_from_the_shard_header(tmp_path):
     shard = next((tmp_path / "run" / "step_000001").glob("*.bin"))
     widths = sorted((end - start, w) for start, end, w in float_spans(shard))
     assert widths == [(4000, 2), (7200, 8)]  # the int64 tensor is not a float: plain bytes
+
+
+def _plane_modes(frame) -> list[int]:
+    """The mode of every plane of a zstd-dtype frame (0 stored, 1 zstd), in frame order."""
+    frame = bytes(frame)
+    (count,) = struct.unpack_from("<I", frame)
+    runs = [struct.unpack_from("<QB", frame, 4 + 9 * i) for i in range(count)]
+    pos, modes = 4 + 9 * count, []
+    for width in sorted({w for _, w in runs}):
+        for _ in range(width):
+            mode, length = struct.unpack_from("<BQ", frame, pos)
+            modes.append(mode)
+            pos += 9 + length
+    return modes
+
+
+@settings(max_examples=80, deadline=None)
+@given(data=st.data())
+def test_planes_gathered_a_chunk_at_a_time_round_trip_aligned_or_not_and_wherever_a_plane_shrinks(data):
+    """Planes are gathered as shifted integers, a few elements at a time (the chunk made tiny
+    here so that runs span many chunks), or byte by byte where a run is not aligned for its
+    width; a plane that compresses pulls the planes after it to the front. Mantissa planes of
+    zeros (values cast up from bf16) compress, so later planes move."""
+    runs, parts = [], []
+    for _ in range(data.draw(st.integers(1, 5))):
+        width = data.draw(st.sampled_from([1, 2, 4, 8]))
+        n = data.draw(st.integers(1, 2000))
+        kind = data.draw(st.sampled_from(["from-bf16", "normal", "random"]))
+        if kind == "from-bf16" and width > 1:  # low bytes zero: compressible mantissa planes
+            words = (torch.randn(n) * 0.02).to(torch.bfloat16).to(torch.float32).view(torch.uint8)
+            chunk = words.repeat((n * width + words.numel() - 1) // words.numel())[:n * width]
+        elif kind == "normal":
+            chunk = (torch.randn((n * width + 3) // 4) * 0.02).view(torch.uint8)[:n * width]
+        else:
+            chunk = torch.frombuffer(bytearray(data.draw(st.binary(min_size=n * width, max_size=n * width))),
+                                     dtype=torch.uint8)
+        runs.append((n * width, width))
+        parts.append(chunk)
+    lead = data.draw(st.integers(0, 3))  # unaligned runs too: the part starts at an odd address
+    backing = torch.zeros(lead + sum(n for n, _ in runs), dtype=torch.uint8)
+    raw = backing[lead:]
+    raw.copy_(torch.cat(parts))
+    with mock.patch.object(codec, "_CHUNK", 37):
+        frame = encode(raw, "zstd-dtype", 1, runs)
+    assert bytes(decode(frame, "zstd-dtype", raw.numel(), "x")) == bytes(raw.numpy())
+
+
+def test_mantissa_planes_are_compressed_when_they_compress_and_stored_when_only_their_head_does():
+    torch.manual_seed(0)
+    cast_up = (torch.randn(1 << 18) * 0.02).to(torch.bfloat16).to(torch.float32)  # low 2 bytes zero
+    assert _plane_modes(_frame(cast_up)[0]) == [1, 1, 0, 1]
+    # A part that starts with a LayerNorm's weights (all 1.0) and goes on with random weights:
+    # its mantissa planes begin with 64 KiB of zeros, but as a whole they do not compress.
+    head_only = torch.cat([torch.ones(1 << 16), torch.randn(1 << 20) * 0.02])
+    assert _plane_modes(_frame(head_only)[0]) == [0, 0, 0, 1]

@@ -26,6 +26,7 @@ zstd errors to CorruptCheckpointError naming the object.
 from __future__ import annotations
 
 import struct
+import sys
 import warnings
 from typing import Callable
 
@@ -223,10 +224,16 @@ def frame_bound(raw_size: int, runs: list[tuple[int, int]]) -> int:
 
 def _encode_dtype(raw: torch.Tensor, level: int, runs: list[tuple[int, int]], out: bytearray | None = None):
     """The frame, written into ``out`` (a reused buffer of at least ``frame_bound`` bytes; a fresh
-    one without it), as a memoryview of its start. Each byte plane is gathered straight into its
-    place in the frame; a plane that compresses is then replaced there by its zstd frame. Nothing
-    else is allocated but zstd's output: fresh memory costs a page fault per 4 KiB on a VM, which
-    was half of this codec's client CPU when every plane and the joined frame were new."""
+    one without it), as a memoryview of its start. Nothing else is allocated but zstd's output:
+    fresh memory costs a page fault per 4 KiB on a VM, which was half of this codec's client CPU
+    when every plane and the joined frame were new.
+
+    Per width: every byte plane is gathered straight into the place it would take stored
+    (``_gather_planes``, all planes of a chunk of elements at a time), then the planes are
+    settled in order. A plane that compresses is replaced by its zstd frame, which moves the
+    planes after it closer to the front (a stored plane is then moved down, a memmove). Nothing
+    is ever written past the plane being settled: the write cursor never passes a plane's
+    gathered place, since a plane is only ever replaced by something smaller."""
     if sum(n for n, _ in runs) != raw.numel() or any(w not in WIDTHS or n % w for n, w in runs):
         raise ValueError(f"runs {runs[:4]}... do not cover {raw.numel()} bytes in whole elements")
     need = frame_bound(raw.numel(), runs)
@@ -237,25 +244,29 @@ def _encode_dtype(raw: torch.Tensor, level: int, runs: list[tuple[int, int]], ou
     groups: dict[int, list[torch.Tensor]] = {}
     pos = 0
     for n, width in runs:
-        groups.setdefault(width, []).append(raw[pos:pos + n].view(-1, width))
+        groups.setdefault(width, []).append(raw[pos:pos + n])
         pos += n
     pos = _put(view, 0, _COUNT.pack(len(runs)))
     for n, width in runs:
         pos = _put(view, pos, _RUN.pack(n, width))
     bytes_z, floats_z = _compressors(level)
-    for width in WIDTHS:
-        for k in range(width if width in groups else 0):
-            body = pos + _PLANE.size
-            size = _gather(groups[width], k, frame[body:])  # a column gather: 2-4x faster than a transpose
-            plane = view[body:body + size]
-            zstd = bytes_z if width == 1 else floats_z
+    for width in (w for w in WIDTHS if w in groups):
+        count = sum(run.numel() for run in groups[width]) // width  # elements, and bytes per plane
+        gathered = [pos + (k + 1) * _PLANE.size + k * count for k in range(width)]  # as if all stored
+        _gather_planes(groups[width], width, frame, gathered)
+        zstd = bytes_z if width == 1 else floats_z
+        for k, at in enumerate(gathered):
+            plane = view[at:at + count]
             packed = zstd.compress(plane) if k in _SQUEEZED[width] or _worth_trying(zstd, plane) else None
-            if packed is not None and len(packed) < size:
+            if packed is not None and len(packed) < count:
                 _PLANE.pack_into(out, pos, 1, len(packed))
-                pos = _put(view, body, packed)  # over the plane it came from: zstd is done with it
+                pos = _put(view, pos + _PLANE.size, packed)  # over the plane it came from: zstd is done with it
             else:
-                _PLANE.pack_into(out, pos, 0, size)
-                pos = body + size
+                _PLANE.pack_into(out, pos, 0, count)
+                body = pos + _PLANE.size
+                if body != at:
+                    view[body:body + count] = plane  # down, over planes already settled (a memmove)
+                pos = body + count
     return view[:pos]
 
 
@@ -264,14 +275,42 @@ def _put(view: memoryview, pos: int, data) -> int:
     return pos + len(data)
 
 
-def _gather(group: list[torch.Tensor], k: int, dest: torch.Tensor) -> int:
-    """Byte ``k`` of every element of the (elements, width) views in ``group``, one after the other,
-    into the front of ``dest``; returns how many."""
+_CHUNK = 1 << 20  # elements per gather step: their bytes stay in cache while every plane takes its byte
+_INT = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+_LITTLE = sys.byteorder == "little"
+
+
+def _gather_planes(group: list[torch.Tensor], width: int, frame: torch.Tensor, starts: list[int]) -> None:
+    """Byte plane k of the elements of ``group`` (uint8 runs of whole ``width``-byte elements, one
+    after the other) into ``frame[starts[k]:]``, for every k. A chunk of elements at a time goes
+    through all planes, so the source is read from memory once, not once per plane; and each plane
+    is a shift and a narrowing cast of the elements as integers (vectorized), not a strided byte
+    copy. Measured on fp32 AdamW state here: 0.13 against 0.28 s per GB of raw bytes."""
+    longest = max(run.numel() for run in group) // width
+    scratch = torch.empty(min(_CHUNK, longest), dtype=_INT[width]) if width > 1 else None
     at = 0
-    for words in group:
-        dest[at:at + words.shape[0]].copy_(words[:, k])
-        at += words.shape[0]
-    return at
+    for run in group:
+        n = run.numel() // width
+        words = _as_ints(run, width)
+        for first in range(0, n, _CHUNK):
+            last = min(n, first + _CHUNK)
+            for k, start in enumerate(starts):
+                dest = frame[start + at + first:start + at + last]
+                if words is None:  # bytes, or unaligned or big-endian elements: a strided copy of byte k
+                    dest.copy_(run.view(n, width)[first:last, k])
+                elif k == 0:
+                    dest.copy_(words[first:last])  # an integer cast to uint8 keeps its low byte
+                else:
+                    shifted = scratch[:last - first]
+                    dest.copy_(torch.bitwise_right_shift(words[first:last], 8 * k, out=shifted))
+        at += n
+
+
+def _as_ints(run: torch.Tensor, width: int) -> torch.Tensor | None:
+    """``run`` seen as little-endian integers of ``width`` bytes, if it is aligned for them."""
+    if width == 1 or not _LITTLE or run.data_ptr() % width or run.storage_offset() % width:
+        return None
+    return run.view(_INT[width])
 
 
 def _compressors(level: int) -> tuple[zstandard.ZstdCompressor, zstandard.ZstdCompressor]:
@@ -289,13 +328,19 @@ def _compressors(level: int) -> tuple[zstandard.ZstdCompressor, zstandard.ZstdCo
         strategy=zstandard.STRATEGY_FAST))
 
 
-_SAMPLE = 64 << 10
+_SAMPLES, _SAMPLE = 16, 4 << 10
 
 
 def _worth_trying(zstd, plane: memoryview) -> bool:
     """Whether a mantissa plane compresses after all (zeros, values cast up from a narrower
-    dtype): judged on its first 64 KiB, so random planes cost almost no zstd work."""
-    sample = plane[:_SAMPLE]
+    dtype): judged on 16 slices of 4 KiB spread evenly over it, so random planes cost almost no
+    zstd work, and a part whose first tensor is all zeros or ones (a LayerNorm's biases and
+    weights) does not pass for a compressible plane (it did when only the first 64 KiB was read)."""
+    if len(plane) <= _SAMPLES * _SAMPLE:
+        sample = plane
+    else:
+        spacing = (len(plane) - _SAMPLE) // (_SAMPLES - 1)
+        sample = b"".join(plane[i * spacing:i * spacing + _SAMPLE] for i in range(_SAMPLES))
     return len(sample) > 0 and len(zstd.compress(sample)) < 0.9 * len(sample)
 
 
