@@ -48,6 +48,7 @@ from ..errors import (
     RemoteNotFoundError,
 )
 from .framepool import FramePool
+from .onethread import one_thread
 from .sharded import shard_path
 from .transport import REQUEST_TIMEOUT, Transport
 
@@ -227,7 +228,11 @@ class RemoteTier:
                 frame = frames.take(frame_bound(raw.numel(), runs)) if codec == "zstd-dtype" else None
                 # raw parts are sent straight from the mapping (no copy); the others are encoded
                 # here (zstd-dtype into a reused frame) while the sends already in flight go on
-                stored = byte_view(raw) if codec == "raw" else encode(raw, codec, level, runs, out=frame)
+                if codec == "raw":
+                    stored = byte_view(raw)
+                else:
+                    with one_thread():  # CPU is the cost here: no OpenMP team spinning beside the sends
+                        stored = encode(raw, codec, level, runs, out=frame)
                 stored_crc = raw_crc if codec == "raw" else crc_hex(crc32c_update(stored))  # raw: the same bytes
                 entry = PartEntry(part, offset, raw.numel(), len(stored), raw_crc, stored_crc)
                 parts.append(entry)
@@ -326,7 +331,8 @@ class RemoteTier:
             crc = crc32c_update(chunk, crc)
             _pwrite_all(fd, chunk, offset)
             offset += len(chunk)
-        decode_into(view[:size], codec, part.raw_size, write, self.where(rel))
+        with one_thread():
+            decode_into(view[:size], codec, part.raw_size, write, self.where(rel))
         if crc_hex(crc) != part.raw_crc32c:
             raise CorruptCheckpointError(f"{self.where(rel)}: decoded bytes fail their crc32c (corrupt remote object)")
         frames.give(buf)
