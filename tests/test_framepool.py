@@ -139,3 +139,25 @@ def test_compressed_parts_download_through_reused_buffers_and_a_failed_one_is_le
     assert len(given) == parts and len({id(b) for b in taken}) <= r.concurrency + 1
     with CheckpointStore(tmp_path / "b", read_only=True) as fresh:
         assert first_difference(_state(), fresh.restore()) is None
+
+
+def test_the_next_steps_upload_reuses_the_buffers_of_the_last_and_close_lets_them_go(tmp_path, monkeypatch):
+    """Fresh memory costs page faults: the buffers of one upload carry the next step's parts too."""
+    taken: list[bytearray] = []
+
+    class Counting(FramePool):
+        def take(self, need):
+            taken.append(super().take(need))
+            return taken[-1]
+    monkeypatch.setattr(remote_module, "FramePool", Counting)
+    r = RemoteTier(f"file://{tmp_path / 'remote'}", part_size=64 << 10, concurrency=2)
+    firsts = []
+    for step in (5, 6):
+        manifest = save_sharded([_state()], tmp_path / "local" / f"step_00000{step}", step)
+        taken.clear()
+        r.upload(tmp_path / "local" / f"step_00000{step}", manifest)
+        firsts.append({id(b) for b in taken})
+    assert len(taken) >= 30
+    assert firsts[1] <= firsts[0], "the second step allocated buffers of its own"
+    r.close()
+    assert not r._frames._free

@@ -1,7 +1,7 @@
 """Buffers that encoded parts are written into, reused from one part to the next.
 
 A fresh 64 MiB buffer costs a page fault per 4 KiB the first time it is written (on
-this VM, 0.2-0.7 s per GB); the encoded frames of one upload reuse a handful instead.
+this VM, 0.2-0.7 s per GB); the encoded frames of every upload reuse a handful instead.
 A buffer goes back to the pool only after the request that sent it has returned
 successfully: after a failure (a timeout may leave the request running on the event
 loop) it is dropped, so nothing still reading it can ever see it overwritten.
@@ -36,3 +36,8 @@ class FramePool:
         """``buf`` is no longer read by anything: the next part may be written into it."""
         with self._lock:
             self._free.append(buf)
+
+    def clear(self) -> None:
+        """Let every buffer go (the memory goes back once nothing else holds it)."""
+        with self._lock:
+            self._free.clear()
