@@ -72,6 +72,7 @@ _OUT_CHUNK = 4 << 20
 
 def decode_into(stored, codec: str, raw_size: int, sink: Callable[[memoryview], None], source: str) -> None:
     """Stream the raw bytes of one stored object into ``sink``, in order, in chunks of a few MB.
+    A chunk may be overwritten once ``sink`` returns: a sink that keeps one copies it.
 
     Never produces more than ``raw_size`` bytes, whatever sizes the frame itself
     claims (it is untrusted): decoding stops and fails past it, or when it ends short.
@@ -379,6 +380,7 @@ def _decode_dtype(stored: memoryview, raw_size: int, emit: Callable, source: str
             planes[width].append(_PlaneReader(body, want, mode == 1, source))
     if pos != len(stored):
         raise bad(f"has {len(stored) - pos} bytes after its last plane")
+    scratch: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     for n, width in runs:
         step = _OUT_CHUNK // width
         for first in range(0, n // width, step):
@@ -386,13 +388,33 @@ def _decode_dtype(stored: memoryview, raw_size: int, emit: Callable, source: str
             if width == 1:
                 emit(planes[1][0].read(count_))
                 continue
-            words = torch.empty((count_, width), dtype=torch.uint8)
-            for k, reader in enumerate(planes[width]):  # column stores: 2x faster than torch.stack
-                words[:, k] = _read_only_view(reader.read(count_), 0, count_)
-            emit(byte_view(words))
+            chunks = [_read_only_view(reader.read(count_), 0, count_) for reader in planes[width]]
+            emit(_interleave(chunks, width, scratch))
     for readers in planes.values():
         for reader in readers:
             reader.finish()
+
+
+def _interleave(planes: list[torch.Tensor], width: int, scratch: dict) -> memoryview:
+    """The elements whose byte planes are ``planes`` (one uint8 chunk per byte, low byte first),
+    as bytes. Each plane is widened to an integer, shifted into place and or-ed in (vectorized,
+    while the chunk is in cache): 0.15 against 0.29 s per GB of fp32 for storing byte columns.
+    The result lives in ``scratch`` (reused from chunk to chunk) until the next call, so a sink
+    must be done with it when it returns; a big-endian host stores the columns into fresh memory."""
+    count = planes[0].numel()
+    if not _LITTLE:
+        words = torch.empty((count, width), dtype=torch.uint8)
+        for k, plane in enumerate(planes):
+            words[:, k] = plane
+        return byte_view(words)
+    if width not in scratch or scratch[width][0].numel() < count:
+        scratch[width] = (torch.empty(count, dtype=_INT[width]), torch.empty(count, dtype=_INT[width]))
+    acc, widened = (t[:count] for t in scratch[width])
+    acc.copy_(planes[0])  # uint8 -> integer: zero-extended
+    for k in range(1, width):
+        widened.copy_(planes[k])
+        acc.bitwise_or_(widened.bitwise_left_shift_(8 * k))
+    return byte_view(acc)
 
 
 class _PlaneReader:
