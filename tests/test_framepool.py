@@ -17,13 +17,14 @@ from tieredckpt.errors import RemoteError
 
 def test_the_pool_hands_back_only_buffers_large_enough_and_holds_no_more_than_were_in_use():
     pool = FramePool(100)
-    small = pool.take(10)
-    assert len(small) == 100  # never smaller than the pool's size
+    small = pool.take(60)
+    assert len(small) == 100  # more than half a part: a whole part's buffer, for any part after it
     pool.give(small)
     assert pool.take(50) is small
     pool.give(small)
+    assert len(FramePool(100).take(40)) == 42  # a small checkpoint's only part: what it needs, 1/16 to spare
     big = pool.take(500)
-    assert big is not small and len(big) == 500 + 500 // 16  # a little to spare for the next part
+    assert big is not small and len(big) == 500 + 500 // 16  # more than a part: 1/16 to spare for the next
     pool.give(big)
     assert pool.take(400) is big
     sized = FramePool(0)
@@ -161,3 +162,11 @@ def test_the_next_steps_upload_reuses_the_buffers_of_the_last_and_close_lets_the
     assert firsts[1] <= firsts[0], "the second step allocated buffers of its own"
     r.close()
     assert not r._frames._free
+
+
+def test_a_small_checkpoint_holds_buffers_of_its_own_size_not_of_a_full_part(tmp_path):
+    manifest = save_sharded([_state()], tmp_path / "local" / "step_000005", 5)  # one part of ~2.4 MB
+    r = RemoteTier(f"file://{tmp_path / 'remote'}")  # 64 MiB parts
+    r.upload(tmp_path / "local" / "step_000005", manifest)
+    held = [len(b) for b in r._frames._free]
+    assert held and max(held) < 2 * manifest.total_size, (held, manifest.total_size)

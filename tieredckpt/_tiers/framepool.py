@@ -13,7 +13,10 @@ import threading
 
 
 class FramePool:
-    """At most as many buffers as parts are encoded or in flight at once; each at least ``size``."""
+    """At most as many buffers as parts are encoded or in flight at once. ``size`` is a full
+    part's buffer: a part of more than half of it gets one (so the slightly smaller last part of
+    one step and the full parts of the next share buffers); a smaller part, as the only part of a
+    small checkpoint is, gets a buffer of its own size, so a 10 MB model holds 11 MB, not 65 MiB."""
 
     def __init__(self, size: int) -> None:
         self.size = size
@@ -22,15 +25,16 @@ class FramePool:
 
     def take(self, need: int) -> bytearray:
         """A buffer of at least ``need`` bytes: a returned one if it is large enough, else a new one
-        (with 1/16 to spare, for the next part a little larger). A returned buffer too small is let go
-        then, so the pool never holds more buffers than were in use at once."""
+        (one of ``size`` for a part of more than half of it, else what it needs with 1/16 to spare,
+        for the next part a little larger). A returned buffer too small is let go then, so the pool
+        never holds more buffers than were in use at once."""
         with self._lock:
             for i, buf in enumerate(self._free):
                 if len(buf) >= need:
                     return self._free.pop(i)
             if self._free:
                 self._free.pop()
-        return bytearray(max(need + need // 16, self.size))
+        return bytearray(self.size if self.size // 2 < need <= self.size else need + need // 16)
 
     def give(self, buf: bytearray) -> None:
         """``buf`` is no longer read by anything: the next part may be written into it."""
