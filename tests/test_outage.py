@@ -274,3 +274,43 @@ def test_a_wiped_remote_is_noticed_and_the_newest_step_uploaded_again(tmp_path, 
         wait_until(lambda: proxied.remote().newest_step() == 3, 30, "the re-upload")
         assert s.local.steps() == [2, 3]  # the local copies were kept
     assert "no longer holds uploaded step(s)" in caplog.text
+
+
+def test_a_dead_endpoint_prints_no_tracebacks_from_inside_aiohttp_and_other_loop_reports_still_pass(
+        tmp_path, proxied, caplog):
+    """A reset before a request's headers leaves aiohttp's body-writing task failed and unawaited;
+    asyncio would log "Task exception was never retrieved" with aiohttp's traceback, many per
+    outage. The upload's own error says what happened; those reports go to debug logging."""
+    import asyncio
+    import gc
+
+    from tieredckpt._tiers.remote import RemoteTier
+    from tieredckpt._tiers.sharded import save_sharded
+    from tieredckpt.errors import RemoteError
+    local = tmp_path / "local" / "step_000001"
+    manifest = save_sharded([{"w": torch.randn(2_000_000)}], local, 1)
+    r = RemoteTier(proxied.url, proxied.options, part_size=256 << 10)
+    proxied.proxy.set("dead")
+    with caplog.at_level(logging.DEBUG):
+        for _ in range(4):
+            with pytest.raises(RemoteError, match="failed"):
+                r.upload(local, manifest)
+        gc.collect()
+        time.sleep(0.5)  # reports of tasks freed on the loop's thread
+        gc.collect()
+    proxied.proxy.clear()
+    loud = [rec for rec in caplog.records if rec.name == "asyncio" and rec.levelno >= logging.WARNING]
+    assert not loud, loud[0].getMessage()
+    assert any("abandoned request body" in rec.getMessage() for rec in caplog.records)  # it did happen
+    caplog.clear()  # any other report on that loop still reaches asyncio's logger
+
+    async def fails():
+        raise ValueError("not aiohttp's")
+    loop = r.fs.loop
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+        asyncio.run_coroutine_threadsafe(asyncio.sleep(0), loop).result()
+        loop.call_soon_threadsafe(lambda: loop.create_task(fails()))
+        time.sleep(0.3)
+        gc.collect()
+        time.sleep(0.3)
+    assert any("never retrieved" in rec.getMessage() for rec in caplog.records)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import logging
 import os
 import re
 from concurrent.futures import ThreadPoolExecutor
@@ -47,6 +48,7 @@ _BYTES_PER_SECOND = 1_000_000
 _S3_DEFAULTS = {"connect_timeout": 5, "read_timeout": 30, "retries": {"max_attempts": 2, "mode": "standard"}}
 _STREAM_CHUNK = 1 << 20  # what get_stream hands its sink at a time
 _MAX_PUT = 5 << 30  # S3's limit for one PUT; s3fs sends larger bodies as a multipart upload
+log = logging.getLogger("tieredckpt.transport")
 
 
 class Transport:
@@ -64,6 +66,8 @@ class Transport:
         self.root = root.rstrip("/")
         self.request_timeout = request_timeout
         self._async = isinstance(fs, AsyncFileSystem) and not getattr(fs, "asynchronous", False)
+        if self._async:
+            _quiet_orphaned_body_writers(fs.loop)
         self._s3 = _is_s3(self.protocol) and hasattr(fs, "split_path")
         self._checksums = self._s3 and _sends_checksums(self.options)
         self._helpers = None if self._async else ThreadPoolExecutor(16, thread_name_prefix="tieredckpt-remote")
@@ -300,6 +304,34 @@ class Transport:
     def close(self) -> None:
         if self._helpers is not None:
             self._helpers.shutdown(wait=False, cancel_futures=True)
+
+
+def _quiet_orphaned_body_writers(loop: asyncio.AbstractEventLoop) -> None:
+    """Keep aiohttp's orphaned body writers from printing tracebacks on the user's terminal.
+
+    When a connection is reset before a request's headers go out (a dead endpoint, a proxy
+    that resets), aiohttp's request fails -- and we retry it, or say why we gave up -- but the
+    task it started to write the body fails too, outside its own error handling, and nobody
+    awaits it: asyncio then logs "Task exception was never retrieved" with a traceback from
+    deep inside aiohttp, several per second of outage. Those go to debug logging; every other
+    report goes where it went (the loop's handler, which may be the user's). fsspec's loop is
+    shared by every async filesystem in the process; this touches only that one kind of report."""
+    previous = loop.get_exception_handler()
+    if getattr(previous, "_tieredckpt", False):
+        return
+
+    def handler(loop, context) -> None:
+        task, exc = context.get("future"), context.get("exception")
+        coro = task.get_coro() if isinstance(task, asyncio.Task) else None
+        if isinstance(exc, OSError) and getattr(coro, "__qualname__", "") == "ClientRequest.write_bytes":
+            log.debug("an abandoned request body failed to send: %r", exc)
+            return
+        if previous is not None:
+            previous(loop, context)
+        else:
+            loop.default_exception_handler(context)
+    handler._tieredckpt = True
+    loop.set_exception_handler(handler)
 
 
 def _is_s3(protocol: str) -> bool:
