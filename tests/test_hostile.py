@@ -375,3 +375,49 @@ def test_a_run_dir_on_a_read_only_mount_restores_and_skips_the_resume_mark(tiny_
     assert any("cannot write here (Read-only file system)" in m and "opened as a reader" in m for m in messages)
     assert any("the resume is not recorded" in m for m in messages)
     assert snapshot(run) == before
+
+
+def _uploaded_big(tmp_path, codec):
+    """Step 1 (8 MB of floats) uploaded to a file:// remote with ``codec``; its state and URL."""
+    big = {"w": torch.randn(2_000_000) * 0.02, "step": 1}
+    url = f"file://{tmp_path / f'remote-{codec}'}"
+    with CheckpointStore(tmp_path / f"origin-{codec}", url, compression=codec, upload_part_size=1 << 20) as s:
+        s.save(1, big).wait()
+        assert s.wait(uploads=True, timeout=60)
+    return big, url
+
+
+@pytest.mark.parametrize("codec", [None, "zstd-dtype"], ids=["raw", "zstd-dtype"])
+def test_a_restore_onto_a_full_disk_names_the_directory_and_the_size_and_leaves_nothing(tmp_path, tiny_disk, codec):
+    from tieredckpt import DiskFullError
+    big, url = _uploaded_big(tmp_path, codec)
+    run = tiny_disk / "run"
+    with CheckpointStore(run, url) as store:
+        with pytest.raises(DiskFullError) as failure:
+            store.restore()
+    assert f"{run}: No space left on device: the download of step 1 needs about 8" in str(failure.value)
+    assert not [p.name for p in run.iterdir() if p.name.startswith("step_")]  # no half-download, no scratch
+    shutil.rmtree(run)
+    with CheckpointStore(tmp_path / "roomy", url) as store:  # nothing on the remote was touched
+        assert first_difference(big, store.restore()) is None
+
+
+@pytest.mark.parametrize("codec", [None, "zstd-dtype"], ids=["raw", "zstd-dtype"])
+def test_a_full_disk_during_a_download_is_a_disk_full_error_on_every_download_path(tmp_path, monkeypatch, codec):
+    """The same without mount privileges: the disk fills (ENOSPC) at the first write of a part, for
+    a writer's restore (into the run directory) and a reader's (into a private temp directory)."""
+    import errno
+
+    from tieredckpt import DiskFullError
+    from tieredckpt._tiers import remote as remote_module
+    big, url = _uploaded_big(tmp_path, codec)
+
+    def full(fd, data, offset):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(remote_module, "_pwrite_all", full)
+    for read_only in (False, True):
+        where = tmp_path / f"fresh-{read_only}"
+        with CheckpointStore(where, url, read_only=read_only) as store:
+            with pytest.raises(DiskFullError, match="the download of step 1 needs about 8"):
+                store.restore()
+        assert not where.exists() or not [p.name for p in where.iterdir() if p.name.startswith("step_")]

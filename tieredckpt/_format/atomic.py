@@ -17,9 +17,10 @@ import os
 import shutil
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 from .._format import layout
+from ..errors import DiskFullError
 from .phases import phase
 
 
@@ -139,6 +140,21 @@ def commit_dir(tmp: Path, final: Path) -> None:
             raise FileExistsError(errno.EEXIST, "already exists", str(final))
         os.rename(tmp, final)
         fsync_dir(final.parent)
+
+
+@contextmanager
+def naming_a_full_disk(directory: Path, what: str, need: Callable[[], int]) -> Iterator[None]:
+    """A full disk (or quota) inside the block is raised as DiskFullError naming ``directory``,
+    ``what`` was being written, about how many bytes it needs (``need()``, asked only then) and
+    how many are free. The block's own cleanup (``building``'s scratch) has run by then."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or isinstance(exc, DiskFullError):
+            raise
+        free = shutil.disk_usage(directory).free
+        raise DiskFullError(f"{directory}: {exc.strerror}: {what} needs about {need()} bytes, {free} "
+                            "are free (its scratch copy was removed; nothing committed was touched)") from exc
 
 
 def remove_dir(path: Path) -> None:

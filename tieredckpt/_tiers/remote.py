@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .._format import layout
-from .._format.atomic import atomic_write_bytes
+from .._format.atomic import atomic_write_bytes, naming_a_full_disk
 from .._format.checksum import crc32c_update, crc_hex, map_file
 from .._format.lossfile import merge_loss
 from .._format.manifest import ShardManifest
@@ -255,7 +255,12 @@ class RemoteTier:
                     progress: Callable[[int], None] | None = None) -> None:
         """Fetch every part of ``files`` in parallel into new files under ``dest``, fsynced.
 
-        ``dest`` is a scratch directory the caller commits (or discards)."""
+        ``dest`` is a scratch directory the caller commits (or discards); a full disk there is a
+        DiskFullError naming it and the step's size."""
+        with naming_a_full_disk(dest.parent, f"the download of step {upload.step}", lambda: sum(f.size for f in files)):
+            self._fetch_into(upload, files, dest, progress)
+
+    def _fetch_into(self, upload: UploadManifest, files: list[UploadedFile], dest: Path, progress) -> None:
         jobs, fds = [], []
         try:
             for f in files:

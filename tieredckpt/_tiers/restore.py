@@ -25,7 +25,7 @@ from typing import Any, Callable
 import torch
 
 from .._format import layout
-from .._format.atomic import building, fsync_dir, scratch_dir
+from .._format.atomic import building, fsync_dir, naming_a_full_disk, scratch_dir
 from .._format.manifest import ShardManifest
 from .._format.shardfile import read_shard
 from ..errors import (
@@ -388,10 +388,12 @@ class SparseFetch:
         if not wanted:
             return
         fd = os.open(self.path, os.O_RDWR)
+        need = lambda: sum(part.raw_size for _, part in wanted)  # noqa: E731
         try:
-            for i, part in wanted:
-                self.remote.fetch_part(self.upload, fd, part)
-                self.fetched.add(i)
+            with naming_a_full_disk(self.path.parent.parent, f"the download of step {self.upload.step}", need):
+                for i, part in wanted:
+                    self.remote.fetch_part(self.upload, fd, part)
+                    self.fetched.add(i)
         finally:
             os.close(fd)
 

@@ -18,7 +18,6 @@ the checkpoint is complete. No manifest ever points at a partial shard.
 from __future__ import annotations
 
 import dataclasses
-import errno
 import json
 import os
 import shutil
@@ -27,14 +26,13 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from .._format import layout
-from .._format.atomic import atomic_write_bytes, building, fsync_file, write_all
+from .._format.atomic import atomic_write_bytes, building, fsync_file, naming_a_full_disk, write_all
 from .._format.manifest import MAX_MANIFEST_BYTES, MAX_USER_DEPTH, ShardEntry, ShardManifest, json_depth
 from .._format.safefile import Checked, open_checked, read_small
 from ..errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
     ChecksumMismatchError,
-    DiskFullError,
     ManifestError,
     UnsupportedStateError,
     WorldSizeMismatchError,
@@ -66,15 +64,8 @@ def save_sharded(state_dict_per_rank: Sequence[Any], dir: str | os.PathLike, ste
     if len(spans) != len(state_dict_per_rank):
         raise ValueError(f"param_shards has {len(spans)} entries for {len(state_dict_per_rank)} ranks")
     user = check_user_value(user)
-    try:
+    with naming_a_full_disk(final.parent, f"step {step}", lambda: sum(map(state_nbytes, state_dict_per_rank))):
         return _save(state_dict_per_rank, final, step, spans, wall_clock_seconds, user, sha256)
-    except OSError as exc:
-        if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or isinstance(exc, DiskFullError):
-            raise
-        need = sum(state_nbytes(s) for s in state_dict_per_rank)
-        free = shutil.disk_usage(final.parent).free
-        raise DiskFullError(f"{final.parent}: {exc.strerror}: step {step} needs about {need} bytes, {free} "
-                            "are free (its scratch copy was removed; nothing committed was touched)") from exc
 
 
 def _save(state_dict_per_rank, final: Path, step: int, spans, wall_clock_seconds, user, sha256) -> ShardManifest:
