@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tieredckpt import CheckpointStore, CorruptCheckpointError
-from tieredckpt._format import codec
+from tieredckpt._format import codec as codec_module
 from tieredckpt._format.codec import decode, encode, frame_bound, runs_in
 from tieredckpt._format.compare import first_difference
 from tieredckpt._format.shardheader import float_spans
@@ -184,7 +184,7 @@ def test_planes_gathered_a_chunk_at_a_time_round_trip_aligned_or_not_and_whereve
     backing = torch.zeros(lead + sum(n for n, _ in runs), dtype=torch.uint8)
     raw = backing[lead:]
     raw.copy_(torch.cat(parts))
-    with mock.patch.object(codec, "_CHUNK", 37):
+    with mock.patch.object(codec_module, "_CHUNK", 37):
         frame = encode(raw, "zstd-dtype", 1, runs)
     assert bytes(decode(frame, "zstd-dtype", raw.numel(), "x")) == bytes(raw.numpy())
 

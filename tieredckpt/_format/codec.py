@@ -261,12 +261,12 @@ def _encode_dtype(raw: torch.Tensor, level: int, runs: list[tuple[int, int]], ou
             packed = zstd.compress(plane) if k in _SQUEEZED[width] or _worth_trying(zstd, plane) else None
             if packed is not None and len(packed) < count:
                 _PLANE.pack_into(out, pos, 1, len(packed))
-                pos = _put(view, pos + _PLANE.size, packed)  # over the plane it came from: zstd is done with it
+                pos = _put(view, pos + _PLANE.size, packed)  # at or before where the plane lay: zstd is done with it
             else:
                 _PLANE.pack_into(out, pos, 0, count)
                 body = pos + _PLANE.size
                 if body != at:
-                    view[body:body + count] = plane  # down, over planes already settled (a memmove)
+                    view[body:body + count] = plane  # down into the room earlier planes left (a memmove)
                 pos = body + count
     return view[:pos]
 
