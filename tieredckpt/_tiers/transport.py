@@ -1,6 +1,6 @@
 """The remote transport: every request to the fsspec filesystem, bounded in time, errors mapped.
 
-Owns four things and nothing else:
+Owns these things and nothing else:
 
 - opening the filesystem from a URL and options. For S3 the request timeouts
   are ours unless the caller sets them: connect 5 s, read 30 s, two attempts
@@ -14,7 +14,9 @@ Owns four things and nothing else:
 - mapping every backend exception, in one place, to RemoteError (``transient``
   says whether a retry may help), RemoteNotFoundError or RemoteAccessError;
 - keeping credentials out of every message: URLs without ``user:pass@``, and
-  option values that look like secrets replaced by ``***``;
+  option values that look like secrets replaced by ``***``; and keeping aiohttp's
+  orphaned body writers' tracebacks off the user's terminal during an outage
+  (``_quiet_orphaned_body_writers``);
 - sending upload parts to S3 from the caller's buffer (s3body.py) with the crc32c we
   computed anyway as the request's ``x-amz-checksum-crc32c``: S3 checks the bytes it
   stores against the checksum of the bytes we read, and botocore computes no CRC32 of
