@@ -18,6 +18,12 @@ the normal stall of the same run), the most local steps on disk during the
 outage (bound: keep_local + 2), and the catch-up time. ``--all-mode`` adds the
 same outage (a third as long) for ``uploads="all"``, the back-pressure mode,
 which does block saves while the remote is down.
+
+``--exit-runs N`` measures the stop instead, N times: a training process (a real
+subprocess, the store at its default settings) uploads a step, then the remote
+hangs every request (the proxy's "drop", as in a network partition) while it
+saves two more; SIGTERM; the time until the process has exited (target: <= 5 s,
+under Kubernetes' 30 s grace by far).
 """
 
 from __future__ import annotations
@@ -25,7 +31,9 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -96,7 +104,49 @@ def one_run(server, proxy, bucket, state, args, uploads: str, outage: float) -> 
     return {"normal": blocks["normal"], "outage": blocks["outage"], "local": most_local, "catch_up": caught_up}
 
 
+def exit_child(url: str, endpoint: str, run_dir: str, params: int) -> None:
+    """The training process of ``--exit-runs``: default store settings, a save every 5 steps."""
+    from tests_creds import options
+    state = model_adamw_state(params)
+    with CheckpointStore(run_dir, url, remote_options=options(endpoint), every=5) as store, store.handle_signals():
+        store.save(0, state).wait()
+        store.wait(uploads=True)
+        print("UPLOADED", flush=True)
+        for step in range(1, 1_000_000):
+            time.sleep(0.05)  # "training"
+            state["step"] = step
+            if store.step_end(step, state):
+                return
+            if step % 5 == 0:
+                print("SAVED", step, flush=True)
+
+
+def exit_run(server, proxy, bucket: str, params: int) -> float:
+    server.make_bucket(bucket)
+    run_dir = tempfile.mkdtemp(prefix="bench-exit-")
+    proc = subprocess.Popen([sys.executable, __file__, "--child-exit", f"s3://{bucket}/run", proxy.endpoint, run_dir,
+                             "--params", str(params)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "UPLOADED"
+        proxy.set("drop")
+        for _ in range(2):  # two more local commits; the upload of the first hangs, the second waits
+            assert proc.stdout.readline().startswith("SAVED")
+        started = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=300)
+        took = time.monotonic() - started
+        assert proc.returncode == 0, proc.returncode
+        return took
+    finally:
+        proxy.clear()
+        if proc.poll() is None:
+            proc.kill()
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
 def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--child-exit":
+        return exit_child(*sys.argv[2:5], params=int(sys.argv[6]))
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--params", type=int, default=12_800_000)
     p.add_argument("--outage", type=float, default=60.0)
@@ -104,7 +154,10 @@ def main() -> None:
     p.add_argument("--keep", type=int, default=3)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--all-mode", action="store_true", help="also measure uploads='all' (blocks by design)")
+    p.add_argument("--exit-runs", type=int, default=0, help="measure SIGTERM's exit with a hanging remote instead")
     args = p.parse_args()
+    if args.exit_runs:
+        return exit_main(args)
     state = model_adamw_state(args.params)
     print(f"state: {state_bytes(state) / 1e9:.3f} GB; a save every {args.interval:g} s; "
           f"outage {args.outage:g} s ({', '.join(MODES)}); keep_local={args.keep}", flush=True)
@@ -128,6 +181,18 @@ def main() -> None:
         server.kill()
     print()
     print(table(rows, HEADERS))
+
+
+def exit_main(args) -> None:
+    server = MotoServer().start()
+    proxy = FaultProxy(server.endpoint).start()
+    try:
+        times = [exit_run(server, proxy, f"exit-{i}", args.params) for i in range(args.exit_runs)]
+    finally:
+        proxy.close()
+        server.kill()
+    print(f"SIGTERM to exit with every request hanging ({args.params:,} params, default settings): "
+          + ", ".join(f"{t:.2f} s" for t in times) + f"; median {statistics.median(times):.2f} s")
 
 
 HEADERS = ("run", "outage s", "normal median ms", "normal max ms", "outage median ms", "outage max ms",

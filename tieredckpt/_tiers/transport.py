@@ -7,10 +7,13 @@ Owns these things and nothing else:
   inside botocore and s3fs (our callers retry with backoff themselves, so a
   request never hides a minute of retries from the uploader);
 - a deadline on every request: ``request_timeout`` (default 60 s) plus one
-  second per MB moved. Async filesystems (s3fs) are cancelled at the deadline
-  (fsspec's ``sync(timeout=)`` wraps the coroutine in ``asyncio.wait_for``, so
-  the connection is dropped); synchronous ones run on a helper thread that is
-  abandoned at the deadline;
+  second per MB moved. Async filesystems (s3fs) run the request's coroutine on
+  fsspec's loop inside ``asyncio.wait_for``, so the connection is dropped at the
+  deadline; synchronous ones run on a daemon thread that is abandoned there;
+- the exit path (``abort``): every request in flight is cancelled (async) or
+  abandoned (a thread), and every later one is bounded by one absolute deadline,
+  so a process told to stop never waits on a remote that hangs. No thread a
+  request runs on is one the interpreter joins at exit;
 - mapping every backend exception, in one place, to RemoteError (``transient``
   says whether a retry may help), RemoteNotFoundError or RemoteAccessError;
 - keeping credentials out of every message: URLs without ``user:pass@``, and
@@ -23,6 +26,12 @@ Owns these things and nothing else:
   its own. Over HTTPS botocore then leaves the payload unsigned, as it does whenever
   TLS and a checksum header cover the body; over plain HTTP it still signs it.
 
+- conditional writes, where the backend has them (``conditional``): S3's
+  ``If-None-Match: *`` and ``If-Match: <etag>`` on PUT; on a local or mounted disk
+  an O_EXCL link and a flock'd compare-and-replace. ``put_if_absent`` and
+  ``put_if_match`` answer None when the condition failed; ``read_versioned`` gives
+  an object's version and its age by the remote's own clock, never ours.
+
 Paths handed to the methods are relative to the remote's root.
 """
 
@@ -30,15 +39,19 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import fcntl
+import hashlib
 import logging
 import os
 import re
-from concurrent.futures import ThreadPoolExecutor
+import secrets
+import threading
+import time
+from concurrent.futures import CancelledError, Future, InvalidStateError
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Callable
 
 import fsspec
-import fsspec.asyn
 from fsspec.asyn import AsyncFileSystem
 
 from ..errors import RemoteAccessError, RemoteError, RemoteNotFoundError, TieredCkptError
@@ -72,7 +85,9 @@ class Transport:
             _quiet_orphaned_body_writers(fs.loop)
         self._s3 = _is_s3(self.protocol) and hasattr(fs, "split_path")
         self._checksums = self._s3 and _sends_checksums(self.options)
-        self._helpers = None if self._async else ThreadPoolExecutor(16, thread_name_prefix="tieredckpt-remote")
+        self._inflight: set[Future] = set()  # requests waited on now (abort cancels them)
+        self._inflight_lock = threading.Lock()
+        self._deadline: float | None = None  # monotonic; set by abort(): no request outlives it
 
     def _open(self, url: str):
         options = dict(self.options)
@@ -147,7 +162,7 @@ class Transport:
             return len(data)
         timeout = self.request_timeout + max_size / _BYTES_PER_SECOND
         try:
-            return fsspec.asyn.sync(self.fs.loop, self._stream, rel, max_size, open_sink, timeout=timeout)
+            return self._run(lambda: self._stream(rel, max_size, open_sink), timeout, f"read {rel}")
         except TieredCkptError:
             raise
         except Exception as exc:  # noqa: BLE001 - mapped, as in _call
@@ -180,6 +195,131 @@ class Transport:
         finally:
             body.close()
         return size
+
+    # ---- conditional writes ---------------------------------------------------------------
+
+    @property
+    def conditional(self) -> bool:
+        """True when a write's condition is enforced by the backend itself (S3 and S3-compatible
+        servers that honour If-None-Match/If-Match; a local or mounted disk): a compare-and-swap
+        that no timing can break. Elsewhere the same calls read, compare and write."""
+        return self._s3 or self.protocol in ("file", "local")
+
+    def read_versioned(self, rel: str, max_size: int) -> tuple[bytes, str, float | None] | None:
+        """(bytes, version, age) of an object, or None when it does not exist. ``version`` is what
+        ``put_if_match`` compares (S3: the ETag; a disk: the sha256 of the bytes); ``age`` is how
+        long ago it was written by the remote's own clock (S3: the response's Date minus the
+        object's Last-Modified; a disk: the mtime of a probe file written now minus the object's),
+        or None where the backend cannot tell. Never another host's clock against ours."""
+        what = f"read {rel}"
+        timeout = self.request_timeout + max_size / _BYTES_PER_SECOND
+        try:
+            if self._s3 and self._async:
+                return self._run(lambda: self._s3_read_versioned(rel, max_size), timeout, what)
+            if self.protocol in ("file", "local"):
+                return self._run(lambda: self._disk_read_versioned(rel, max_size), timeout, what)
+        except RemoteNotFoundError:
+            return None
+        except TieredCkptError:
+            raise
+        except FileNotFoundError:
+            return None
+        except Exception as exc:  # noqa: BLE001 - mapped, as in _call
+            raise self.map_error(exc, what, timeout) from None
+        data = self.get_optional(rel, max_size)
+        return None if data is None else (data, _digest(data), None)
+
+    def put_if_absent(self, rel: str, data: bytes) -> str | None:
+        """Create ``rel`` only if nothing is there: its version, or None when something was."""
+        if self._s3:
+            return self._s3_put(rel, data, {"IfNoneMatch": "*"})
+        if self.protocol in ("file", "local"):
+            return self._disk(rel, data, None, f"create {rel}")
+        if self.exists(rel):
+            return None
+        self.put(rel, data)
+        return _digest(data)
+
+    def put_if_match(self, rel: str, data: bytes, version: str) -> str | None:
+        """Replace ``rel`` only if it is still at ``version``: the new version, or None when it
+        changed or is gone."""
+        if self._s3:
+            return self._s3_put(rel, data, {"IfMatch": version})
+        if self.protocol in ("file", "local"):
+            return self._disk(rel, data, version, f"replace {rel}")
+        current = self.read_versioned(rel, max(len(data), 1 << 20) * 4)
+        if current is None or current[1] != version:
+            return None
+        self.put(rel, data)
+        return _digest(data)
+
+    def delete_if_match(self, rel: str, version: str) -> bool:
+        """Delete ``rel`` only if it is still at ``version`` (a disk: under its lock; S3 has no
+        conditional delete everywhere: read, compare, delete)."""
+        if self.protocol in ("file", "local"):
+            return self._disk(rel, None, version, f"delete {rel}") is not None
+        current = self.read_versioned(rel, 1 << 20)
+        if current is None or current[1] != version:
+            return False
+        self.rm(rel)
+        return True
+
+    def _s3_put(self, rel: str, data: bytes, condition: dict) -> str | None:
+        bucket, key, _ = self.fs.split_path(self.path(rel))
+        try:
+            out = self._call("call_s3", ("put_object",), f"write {rel}",
+                             kwargs={"Bucket": bucket, "Key": key, "Body": data, **condition}, nbytes=len(data))
+        except RemoteNotFoundError:
+            if "IfMatch" in condition:
+                return None  # gone: the condition failed
+            raise
+        except RemoteError as exc:
+            if _CONDITION_FAILED.search(str(exc)):
+                return None
+            raise
+        self.fs.invalidate_cache(self.path(rel))
+        return out.get("ETag") or _digest(data)
+
+    async def _s3_read_versioned(self, rel: str, max_size: int) -> tuple[bytes, str, float | None]:
+        bucket, key, _ = self.fs.split_path(self.path(rel))
+        response = await self.fs._call_s3("get_object", Bucket=bucket, Key=key, Range=f"bytes=0-{max_size}")
+        body = response["Body"]
+        try:
+            data = await body.read()
+        finally:
+            body.close()
+        if len(data) > max_size:
+            raise RemoteError(f"{self.where(rel)}: larger than the {max_size} bytes allowed for it", transient=False)
+        return data, response.get("ETag", ""), _server_age(response)
+
+    def _disk_read_versioned(self, rel: str, max_size: int) -> tuple[bytes, str, float | None]:
+        path = self.path(rel)
+        with open(path, "rb") as f:
+            data = f.read(max_size + 1)
+            written = os.fstat(f.fileno()).st_mtime
+        if len(data) > max_size:
+            raise RemoteError(f"{self.where(rel)}: larger than the {max_size} bytes allowed for it", transient=False)
+        probe = f"{path}.clock-{secrets.token_hex(4)}"  # "now" by the clock that stamped the record
+        try:
+            with open(probe, "wb"):
+                pass
+            now = os.stat(probe).st_mtime
+        finally:
+            try:
+                os.unlink(probe)
+            except OSError:
+                pass
+        return data, _digest(data), max(0.0, now - written)
+
+    def _disk(self, rel: str, data: bytes | None, version: str | None, what: str) -> str | None:
+        """Conditional writes on a disk: create by O_EXCL link, replace or delete under a flock."""
+        timeout = self.request_timeout + len(data or b"") / _BYTES_PER_SECOND
+        try:
+            return self._run(lambda: _disk_conditional(self.path(rel), data, version), timeout, what)
+        except TieredCkptError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - mapped, as in _call
+            raise self.map_error(exc, what, timeout) from None
 
     def get_optional(self, rel: str, max_size: int) -> bytes | None:
         """Like :meth:`get`, but None when the object does not exist."""
@@ -276,22 +416,53 @@ class Transport:
         timeout = self.request_timeout + nbytes / _BYTES_PER_SECOND
         if fresh is not None:
             self.fs.invalidate_cache()
+        if self._async:
+            start = lambda: getattr(self.fs, "_" + method)(*args, **kwargs)  # noqa: E731 - a coroutine
+        else:
+            start = lambda: getattr(self.fs, method)(*args, **kwargs)  # noqa: E731 - a blocking call
         try:
-            if self._async:
-                return getattr(self.fs, method)(*args, timeout=timeout, **kwargs)
-            return self._on_helper(getattr(self.fs, method), args, kwargs, timeout)
+            return self._run(start, timeout, what)
         except TieredCkptError:
             raise
         except Exception as exc:  # noqa: BLE001 - every backend error is mapped here
             raise self.map_error(exc, what, timeout) from None
 
-    def _on_helper(self, fn: Callable, args: tuple, kwargs: dict, timeout: float) -> Any:
-        future = self._helpers.submit(fn, *args, **kwargs)
+    def _run(self, start: Callable[[], Any], timeout: float, what: str) -> Any:
+        """Run one request within ``timeout`` (and the exit deadline, once set): ``start()`` makes
+        its coroutine (async filesystems, run on fsspec's loop) or makes the call itself (others,
+        on a daemon thread). The caller waits on a future that ``abort`` can cancel."""
+        if self._deadline is not None:
+            timeout = min(timeout, self._deadline - time.monotonic())
+            if timeout <= 0:
+                raise RemoteError(f"{self.display_url}: {what} not tried: the store is closing", transient=True)
+        if self._async:
+            future = asyncio.run_coroutine_threadsafe(asyncio.wait_for(start(), timeout), self.fs.loop)
+        else:
+            future = Future()
+            threading.Thread(target=_settle, args=(future, start), daemon=True,
+                             name="tieredckpt-remote").start()
+        with self._inflight_lock:
+            self._inflight.add(future)
         try:
-            return future.result(timeout)
+            return future.result(timeout + 1.0)  # wait_for ends an async request at ``timeout`` itself
         except FutureTimeout:
-            future.cancel()  # if it has not started; a started call is abandoned to finish on its own
+            future.cancel()  # a blocking call still running is abandoned to finish on its own
             raise TimeoutError(f"no answer within {timeout:.0f} s") from None
+        except CancelledError:
+            raise RemoteError(f"{self.display_url}: {what} abandoned: the store is closing",
+                              transient=True) from None
+        finally:
+            with self._inflight_lock:
+                self._inflight.discard(future)
+
+    def abort(self, seconds: float) -> None:
+        """The exit path: cancel every request in flight now, and give every later one (a lease
+        release, say) at most what is left of ``seconds`` from now. Never waits."""
+        self._deadline = time.monotonic() + max(0.0, seconds)
+        with self._inflight_lock:
+            futures = list(self._inflight)
+        for future in futures:
+            future.cancel()
 
     def map_error(self, exc: BaseException, what: str, timeout: float | None = None) -> RemoteError:
         if isinstance(exc, TimeoutError) and timeout is not None and not str(exc):
@@ -304,8 +475,102 @@ class Transport:
         return RemoteError(message, transient=is_transient(exc))
 
     def close(self) -> None:
-        if self._helpers is not None:
-            self._helpers.shutdown(wait=False, cancel_futures=True)
+        """Nothing to let go of: requests run on fsspec's loop or on daemon threads."""
+
+
+def _digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _server_age(response: dict) -> float | None:
+    """Seconds since an S3 object was written, by the server's clock alone (Date - Last-Modified)."""
+    from email.utils import parsedate_to_datetime
+    date = (response.get("ResponseMetadata", {}).get("HTTPHeaders", {}) or {}).get("date")
+    modified = response.get("LastModified")
+    if not date or not hasattr(modified, "timestamp"):
+        return None
+    try:
+        return max(0.0, parsedate_to_datetime(date).timestamp() - modified.timestamp())
+    except (TypeError, ValueError):
+        return None
+
+
+def _disk_conditional(path: str, data: bytes | None, version: str | None) -> str | None:
+    """``version`` None: create ``path`` with ``data`` unless it exists (a fully written temp file
+    linked in: O_EXCL's atomicity, never a half-written record). Otherwise, under an exclusive
+    flock of ``path.lock``: if ``path`` still holds ``version``, replace it with ``data`` (or
+    delete it when ``data`` is None). Returns the new version (sha256; "" for a delete), or None
+    when the condition failed. Every writer of ``path`` goes through here, so the lock orders them."""
+    directory = os.path.dirname(path)
+    os.makedirs(directory, exist_ok=True)
+    if version is None:
+        tmp = f"{path}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+        _write_synced(tmp, data)
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            return None
+        finally:
+            os.unlink(tmp)
+        _fsync_dir(directory)
+        return _digest(data)
+    fd = os.open(f"{path}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            with open(path, "rb") as f:
+                current = f.read()
+        except FileNotFoundError:
+            return None
+        if _digest(current) != version:
+            return None
+        if data is None:
+            os.unlink(path)
+            _fsync_dir(directory)
+            return ""
+        tmp = f"{path}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+        _write_synced(tmp, data)
+        os.replace(tmp, path)
+        _fsync_dir(directory)
+        return _digest(data)
+    finally:
+        os.close(fd)
+
+
+def _write_synced(path: str, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+_CONDITION_FAILED = re.compile(r"pre-?condition|PreconditionFailed|FileExistsError|\b412\b|"
+                               r"ConditionalRequestConflict", re.IGNORECASE)
+
+
+def _settle(future: Future, call: Callable[[], Any]) -> None:
+    """A blocking request on its own daemon thread: its outcome goes to ``future`` unless the
+    caller already gave up on it (cancelled at the deadline or by abort)."""
+    try:
+        result = call()
+    except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
+        try:
+            future.set_exception(exc)
+        except InvalidStateError:
+            pass
+        return
+    try:
+        future.set_result(result)
+    except InvalidStateError:
+        pass
 
 
 def _quiet_orphaned_body_writers(loop: asyncio.AbstractEventLoop) -> None:
