@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -168,3 +169,23 @@ def proxied(moto_server):
     moto_server.make_bucket(bucket)
     yield Proxied(moto_server, proxy, bucket)
     proxy.close()
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """``tmpfs(size)``: a real tmpfs of ``size`` bytes mounted under tmp_path (needs mount
+    privileges: the test is skipped, and reported so, where there are none)."""
+    mounted = []
+
+    def make(size: int) -> Path:
+        mount = tmp_path / f"disk{len(mounted)}"
+        mount.mkdir()
+        made = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)],
+                              capture_output=True)
+        if made.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {made.stderr.decode().strip()}")
+        mounted.append(mount)
+        return mount
+    yield make
+    for mount in mounted:
+        subprocess.run(["umount", "-l", str(mount)], check=False)

@@ -45,6 +45,8 @@ class StoreConfig:
     max_pending_uploads: int | None = 2
     uploads: str = "newest"
     stall_budget: float = 0.02
+    exit_timeout: float = 2.0
+    on_save_error: str = "raise"
 
     def store_kwargs(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}

@@ -6,6 +6,7 @@ A save's record is made when it commits, an upload's when the remote holds it:
     {"event": "save", "step", "unix", "blocked_s", "staging_s", "deferred_copy_s", "write_s",
      "fsync_s", "commit_s", "bytes", "blocked_share"}
     {"event": "upload", "step", "unix", "upload_s", "lag_s", "bytes_sent"}
+    {"event": "save_failed", "step", "unix", "error"}     (a background write that failed)
 
 ``blocked_s`` is the whole time ``save()`` held the loop (back-pressure, the copy into
 staging buffers); ``write_s`` excludes the fsyncs and the commit (rename and directory
@@ -46,6 +47,7 @@ class Stats:
         self._blocked = 0.0
         self._saves: list[dict] = []
         self._uploads: list[dict] = []
+        self._failures: list[dict] = []
         self._over = False
 
     def blocked(self, seconds: float) -> None:
@@ -76,12 +78,17 @@ class Stats:
         self._emit(self._uploads, {"event": "upload", "step": step, "unix": round(time.time(), 3),
                                    "upload_s": upload_s, "lag_s": lag_s, "bytes_sent": bytes_sent})
 
+    def save_failed(self, step: int, error: str) -> None:
+        """A background write of ``step`` failed (nothing was committed for it)."""
+        self._emit(self._failures, {"event": "save_failed", "step": step, "unix": round(time.time(), 3),
+                                    "error": error})
+
     def summary(self) -> dict:
         """This process's figures so far: what ``store.stats()`` returns."""
         with self._lock:
             return {"blocked_share": self._share(), "blocked_s": self._blocked,
                     "open_s": time.monotonic() - self._opened, "budget": self.budget,
-                    **summarize(list(self._saves), list(self._uploads))}
+                    **summarize(list(self._saves), list(self._uploads), list(self._failures))}
 
     def _share(self) -> float:
         return self._blocked / max(time.monotonic() - self._opened, 1e-9)
@@ -118,14 +125,16 @@ class Stats:
             log.debug("cannot append to %s: %s", self.path, exc)
 
 
-def summarize(saves: list[dict], uploads: list[dict]) -> dict:
-    """Medians and maxima of save and upload records (also what ``ls --stats`` prints)."""
+def summarize(saves: list[dict], uploads: list[dict], failures: list[dict] = ()) -> dict:
+    """Medians and maxima of save and upload records (also what ``ls --stats`` prints), and
+    how many saves failed (``save_failures``) with the last failure (``last_save_failure``)."""
     def figure(records, key):
         values = [r[key] for r in records if isinstance(r.get(key), (int, float))]
         if not values:
             return None
         return {"median": statistics.median(values), "max": max(values), "total": sum(values)}
-    out = {"saves": len(saves), "uploads": len(uploads)}
+    out = {"saves": len(saves), "uploads": len(uploads), "save_failures": len(failures),
+           "last_save_failure": dict(failures[-1]) if failures else None}
     for key in ("blocked_s", "staging_s", "deferred_copy_s", "write_s", "fsync_s", "commit_s", "bytes"):
         out[key.replace("_s", "") if key != "bytes" else "save_bytes"] = figure(saves, key)
     for key in ("upload_s", "lag_s", "bytes_sent"):
@@ -133,25 +142,26 @@ def summarize(saves: list[dict], uploads: list[dict]) -> dict:
     return out
 
 
-def read_events(path: Path, limit: int = MAX_EVENTS_FILE) -> tuple[list[dict], list[dict]]:
-    """The save and upload records of an events file (its last ``limit`` bytes); lines that
+def read_events(path: Path, limit: int = MAX_EVENTS_FILE) -> tuple[list[dict], list[dict], list[dict]]:
+    """The save, upload and failed-save records of an events file (its last ``limit`` bytes); lines that
     are not records (a torn last line, damage) are skipped. No file: no records. A file that
     is not a regular one (a FIFO, a symlink) raises UnreadableFileError naming it."""
     from .._format.safefile import open_checked
     from ..errors import MissingShardError
     saves: list[dict] = []
     uploads: list[dict] = []
+    failures: list[dict] = []
     try:
         with open_checked(path.parent, path.name, 1 << 50, "events file") as f:
             start = max(0, f.size - limit)
             data = os.pread(f.fd, f.size - start, start)
     except MissingShardError:
-        return saves, uploads
+        return saves, uploads, failures
     for line in data.splitlines()[1 if start else 0:]:
         try:
             record = json.loads(line)
         except ValueError:
             continue
         if isinstance(record, dict):
-            {"save": saves, "upload": uploads}.get(record.get("event"), []).append(record)
-    return saves, uploads
+            {"save": saves, "upload": uploads, "save_failed": failures}.get(record.get("event"), []).append(record)
+    return saves, uploads, failures

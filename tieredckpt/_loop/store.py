@@ -66,6 +66,7 @@ from ..errors import (
     BackgroundSaveError,
     CheckpointExistsError,
     CheckpointNotFoundError,
+    DiskFullError,
     DistributedCommitError,
     RemoteError,
     TieredCkptError,
@@ -77,6 +78,10 @@ from .staging import Stager, StepHold
 from .stats import Stats
 
 UPLOAD_GROUP_TIMEOUT = 24 * 3600.0  # ranks wait for each other's uploads through long outages
+# What close() may still spend on the remote once it stops waiting for uploads (after SIGTERM:
+# Kubernetes sends SIGKILL 30 s after SIGTERM by default, systemd 90 s).
+EXIT_TIMEOUT = 2.0
+SAVE_ERROR_MODES = ("raise", "warn")
 
 log = logging.getLogger("tieredckpt")
 
@@ -130,6 +135,7 @@ class CheckpointStore(AbstractContextManager):
                  audit_interval: float = 60.0,
                  on_upload_error: Callable[[int | None, Exception], None] | None = None,
                  upload_part_size: int = PART_SIZE, close_timeout: float | None = 600.0,
+                 exit_timeout: float = EXIT_TIMEOUT, on_save_error: str = "raise",
                  read_only: bool = False, takeover: bool = False, remote_fs=None,
                  distributed: bool | None = None, stall_budget: float = 0.02,
                  on_stats: Callable[[dict], None] | None = None, overlap: bool = False) -> None:
@@ -154,7 +160,17 @@ class CheckpointStore(AbstractContextManager):
         ``stall_budget``: the share of wall-clock time ``save()`` may block the loop before a
         warning says so (default 2%). ``on_stats(record)``: called with every save's and
         upload's cost record (see ``stats()`` and RUN_DIR/.events.jsonl).
-        ``overlap``: the default of ``save(..., overlap=)`` (see there)."""
+        ``overlap``: the default of ``save(..., overlap=)`` (see there).
+        ``close_timeout``: how long ``close()`` waits for pending uploads when it drains them.
+        ``exit_timeout``: what ``close()`` may spend on the remote after that -- or at once after
+        SIGTERM, when it does not drain: requests in flight are cancelled and the writer lease is
+        released within it (default 2 s; an unreleased lease lapses). The next start resumes
+        every upload that did not finish.
+        ``on_save_error``: "raise" (default) raises a failed background write, once, at the next
+        ``save``, ``wait`` or ``close``; "warn" logs it and goes on (the next save tries again), for
+        a loop that must never stop over a checkpoint -- ``stats()``, ``upload_status()`` and
+        ``tieredckpt ls`` report the failures. Either way a full disk is met by evicting, before
+        the write, what rotation would evict after it (see ``_make_room``)."""
         codec = compression or "raw"
         if codec not in CODECS:
             raise ValueError(f"compression must be one of {CODECS[1:]} or None, got {compression!r}")
@@ -168,6 +184,10 @@ class CheckpointStore(AbstractContextManager):
             raise ValueError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
         if uploads not in UPLOAD_MODES:
             raise ValueError(f"uploads must be one of {UPLOAD_MODES}, got {uploads!r}")
+        if not isinstance(exit_timeout, (int, float)) or isinstance(exit_timeout, bool) or exit_timeout < 0:
+            raise ValueError(f"exit_timeout must be a number of seconds >= 0, got {exit_timeout!r}")
+        if on_save_error not in SAVE_ERROR_MODES:
+            raise ValueError(f"on_save_error must be one of {SAVE_ERROR_MODES}, got {on_save_error!r}")
         if not isinstance(stall_budget, (int, float)) or not 0 < stall_budget <= 1:
             raise ValueError(f"stall_budget must be a share of time in (0, 1], got {stall_budget!r}")
         self.read_only = read_only
@@ -179,13 +199,17 @@ class CheckpointStore(AbstractContextManager):
         self._commit_ranks = RankGroup() if self.ranks is not None else None
         self.rank = self.ranks.rank if self.ranks else 0
         self._node_leader = True
+        self._node_ranks = 1  # ranks whose shards share this run directory (the leader makes their room)
         if self.ranks is not None:  # the lowest rank sharing this directory rotates it
             nodes = self.ranks.all_gather_json(node_key(self.local.root))
             self._node_leader = nodes.index(nodes[self.rank]) == self.rank
+            self._node_ranks = nodes.count(nodes[self.rank])
         self.keep_local = keep_local
         self.every = every
         self.verify = verify
-        self.close_timeout = close_timeout
+        self.close_timeout, self.exit_timeout = close_timeout, float(exit_timeout)
+        self.on_save_error = on_save_error
+        self._room_warned = False
         self.requests = Requests()
         self._stats = Stats(self.local.root / layout.EVENTS_FILE if self.rank == 0 and not read_only else None,
                             float(stall_budget), on_stats)
@@ -366,14 +390,18 @@ class CheckpointStore(AbstractContextManager):
             cost["deferred_s"] = time.perf_counter() - copy_started
         wall = self._wall_base + time.monotonic() - self._wall_start  # the run's training time so far
         started = time.perf_counter()
-        with collecting() as spent:  # fsync and commit seconds, measured where they happen
-            if self.ranks is None:
-                self.local.clear_leftover(step)  # a step dir without a manifest is moved aside, not in our way
-                manifest = save_sharded([staged], self.local.step_path(step), step, user=user,
-                                        wall_clock_seconds=wall, sha256=False)
-            else:
-                manifest = commit_rank(self.local.root, step, staged, self._commit_ranks, param_span=param_span,
-                                       user=user, wall_clock_seconds=wall)
+        try:
+            with collecting() as spent:  # fsync and commit seconds, measured where they happen
+                if self.ranks is None:
+                    self.local.clear_leftover(step)  # a step dir without a manifest is moved aside, not in our way
+                    manifest = self._commit_with_room(step, staged, user, wall)
+                else:  # each node makes its own room first; a rank that cannot fails the commit for all
+                    self._make_room(step, staged.nbytes * self._node_ranks)
+                    manifest = commit_rank(self.local.root, step, staged, self._commit_ranks,
+                                           param_span=param_span, user=user, wall_clock_seconds=wall)
+        except Exception as exc:
+            self._stats.save_failed(step, f"{type(exc).__name__}: {exc}")
+            raise
         # Committed. What follows can only warn: the checkpoint is safe whatever happens next.
         try:
             self._stats.saved(step, cost, time.perf_counter() - started, spent,
@@ -388,6 +416,48 @@ class CheckpointStore(AbstractContextManager):
         except Exception as exc:  # noqa: BLE001
             log.warning("step %d is committed, but the work after it failed: %s", step, exc)
         return manifest
+
+    def _commit_with_room(self, step: int, staged, user, wall: float) -> ShardManifest:
+        """save_sharded, with room made first; a full disk mid-write (the estimate was short, or
+        another process filled the disk) has removed its scratch: room is made by the same rules
+        and the step written once more. Nothing rotation protects is ever evicted for it."""
+        self._make_room(step, staged.nbytes)
+
+        def write() -> ShardManifest:
+            return save_sharded([staged], self.local.step_path(step), step, user=user,
+                                wall_clock_seconds=wall, sha256=False)
+        try:
+            return write()
+        except DiskFullError:
+            if not self._make_room(step, None):
+                raise  # nothing may be evicted: today's clear error, nothing committed touched
+            return write()
+
+    def _make_room(self, step: int, nbytes: int | None) -> list[int]:
+        """Before writing ``step``: evict what rotation evicts anyway once it commits -- the oldest
+        local steps beyond ``keep_local - 1``; never the newest committed step, and with a remote
+        only steps it holds or that were superseded -- until about ``nbytes`` (plus a margin for
+        headers and the manifest) are free; ``None``: every step those rules allow."""
+        if not self._node_leader or self.read_only:
+            return []
+        need = None if nbytes is None else nbytes + max(1 << 20, nbytes // 50)
+        with self._rotate_lock:
+            evicted = self.local.make_room(need, self.keep_local - 1, self._protected())
+        if evicted:
+            log.info("step %d: rotated out step(s) %s before writing it, to make room", step, evicted)
+            if not self._room_warned:
+                self._room_warned = True
+                _warn(f"{self.local.root}: the disk holds fewer than keep_local + 1 = {self.keep_local + 1} "
+                      f"checkpoints of this size; old steps are rotated out before each save instead of "
+                      f"after, so a crash mid-save leaves {self.keep_local - 1} committed local step(s), "
+                      f"not {self.keep_local} (free more space or lower keep_local to avoid this)")
+        return evicted
+
+    def _protected(self) -> set[int]:
+        """Local steps rotation must keep: those the remote does not hold yet (Uploader.evictable)."""
+        if self.uploader is None:
+            return set()
+        return set(self.local.steps()) - self.uploader.evictable()
 
     def _fill(self, step: int, quiet: bool = True) -> None:
         """Record the sha256 of a step committed with crc32c alone (one process; many ranks record
@@ -425,10 +495,7 @@ class CheckpointStore(AbstractContextManager):
         if not self._node_leader or self.read_only:
             return
         with self._rotate_lock:
-            protected = set()
-            if self.uploader is not None:
-                protected = set(self.local.steps()) - self.uploader.evictable()
-            self.local.rotate(self.keep_local, protected=protected)
+            self.local.rotate(self.keep_local, protected=self._protected())
 
     def should_save(self, step: int) -> bool:
         """Cadence (``step % every == 0``) or a pending SIGUSR1/SIGTERM request."""
@@ -479,16 +546,24 @@ class CheckpointStore(AbstractContextManager):
     def _finish_pending(self) -> None:
         """Wait for the previous write; raise its failure unless its handle already did."""
         pending, self._pending = self._pending, None
-        if pending is not None and not pending.raised:
+        if pending is None or pending.raised:
+            return
+        try:
             pending.wait()
+        except BackgroundSaveError as exc:
+            if self.on_save_error == "raise":
+                raise
+            log.error("%s; training goes on (on_save_error='warn') and the next save tries again", exc)
 
     def close(self, drain_uploads: bool | None = None) -> None:
         """Finish the pending write, release the run; raise what failed.
 
         Pending uploads are drained (up to ``close_timeout``) unless ``drain_uploads``
         is False -- the default after SIGTERM or when leaving the ``with`` block on an
-        exception: the next start resumes them. Uploads that failed for good are raised
-        here, every step of them, as one UploadError.
+        exception: the next start resumes them. Then, or at once when not draining,
+        requests in flight are cancelled and the lease released within ``exit_timeout``:
+        a hanging remote never holds the exit up. Uploads that failed for good are
+        raised here, every step of them, as one UploadError.
         """
         if self._closed:
             return
@@ -509,7 +584,7 @@ class CheckpointStore(AbstractContextManager):
         """Stop the threads and let go of the run directory and the remote (never raises)."""
         try:
             if self.uploader is not None:
-                self.uploader.close()
+                self.uploader.close(self.exit_timeout)  # nothing waits on the network past it
             self._writer.shutdown(wait=True)
             self._finisher.shutdown(wait=True)
             self._hold.release_all()
@@ -559,9 +634,12 @@ class CheckpointStore(AbstractContextManager):
         self._finish_pending()
         if self.rank == 0 and self.remote is not None and not self.read_only:
             self._fetch_side_files()
+        before = set(self.local.steps())
         step, state = self._restorer.restore(step, reshard, Targets(into) if into else None)
         if step is None:
             return None
+        if self.uploader is not None and step not in before and step in self.local.steps():
+            self.uploader.downloaded(step)  # the remote holds it: rotation may evict it like any uploaded step
         self._resumed_from(step)
         if into:
             load_into(state, into, self.local.step_path(step))
@@ -645,12 +723,18 @@ class CheckpointStore(AbstractContextManager):
         """How far the remote lags: newest local and uploaded steps, what waits, the last error."""
         newest_local = self.local.latest_step()
         if self.uploader is None:
-            return {"remote": self.remote.display_url if self.remote else None, "newest_local": newest_local}
+            return {"remote": self.remote.display_url if self.remote else None, "newest_local": newest_local,
+                    **self._save_failures()}
         summary = self.uploader.summary()
         summary["newest_local"] = newest_local
+        summary.update(self._save_failures())
         uploaded = summary["newest_uploaded"]
         summary["lag_steps"] = None if newest_local is None else newest_local - (uploaded if uploaded is not None else 0)
         return summary
+
+    def _save_failures(self) -> dict:
+        summary = self._stats.summary()
+        return {"save_failures": summary["save_failures"], "last_save_failure": summary["last_save_failure"]}
 
     # ---- side files -------------------------------------------------------------------
 

@@ -14,6 +14,7 @@ A crash between any two steps leaves a consistent run directory.
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -149,6 +150,29 @@ class LocalTier:
         for step in doomed:
             remove_dir(self.step_path(step))
         return doomed
+
+    def make_room(self, need: int | None, keep: int, protected: Iterable[int] = ()) -> list[int]:
+        """Before a write: evict, oldest first, what rotation would evict once it commits -- steps
+        beyond the newest ``keep`` that nobody protects, never the one ``latest`` names nor the
+        newest committed one -- until ``need`` bytes are free (``None``: every such step).
+
+        Each eviction is rotation's rename-then-delete, so a kill mid-way leaves only scratch.
+        Returns the steps evicted (none when the space is there already)."""
+        if need is not None and self.free_bytes() >= need:
+            return []
+        steps = self.steps()
+        keepset = set(protected) | {s for s in (self.latest_pointer(), steps[-1] if steps else None) if s is not None}
+        evicted = []
+        for step in plan_eviction(steps, KeepLast(max(keep, 1)), keepset):
+            if need is not None and self.free_bytes() >= need:
+                break
+            remove_dir(self.step_path(step))
+            evicted.append(step)
+        return evicted
+
+    def free_bytes(self) -> int:
+        """What the run directory's filesystem has free for us (``statvfs``' f_bavail)."""
+        return shutil.disk_usage(self.root).free
 
     def clean_stale_once(self) -> None:
         """A crashed writer's scratch goes at our first save."""
