@@ -24,7 +24,8 @@ _WHERE = {
     **{name: "errors" for name in (
         "TieredCkptError", "CheckpointNotFoundError", "NotARunDirectoryError", "CheckpointExistsError",
         "UnsupportedStateError", "WorldSizeMismatchError", "BackgroundSaveError", "IncompatibleStateError",
-        "WriterConflictError", "DistributedCommitError", "UploadError", "RemoteError", "RemoteNotFoundError",
+        "WriterConflictError", "CommitRefusedError", "DistributedCommitError", "UploadError", "RemoteError",
+        "RemoteNotFoundError",
         "RemoteAccessError", "CorruptCheckpointError", "ManifestError", "ShardCountMismatchError",
         "MissingShardError", "ChecksumMismatchError", "FlatFormatError", "UnreadableFileError", "DiskFullError")},
 }

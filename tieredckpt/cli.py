@@ -117,7 +117,7 @@ def _parser() -> argparse.ArgumentParser:
     gc.add_argument("remote_url")
     gc.add_argument("--grace", type=float, default=3600.0,
                     help="only steps whose newest object is older than this many seconds (default 3600)")
-    gc.add_argument("--force", action="store_true", help="even while a live writer owns the remote")
+    gc.add_argument("--force", action="store_true", help="take the remote over from a live writer first (it stops writing there)")
     gc.add_argument("--dry-run", action="store_true", help="only list what would be deleted")
     _remote_args(gc, None)
     gc.set_defaults(func=cmd_gc)
@@ -195,6 +195,8 @@ def cmd_ls(args) -> int:
         problems += _ls_lag(remote, local_steps, recorded)
     if args.stats:
         _ls_stats(tier.root / layout.EVENTS_FILE)
+    else:
+        problems += _ls_failing(tier.root / layout.EVENTS_FILE)
     stale = [e.name for e in tier.root.iterdir() if layout.scratch_owner_pid(e.name) is not None]
     if stale:
         print(f"({len(stale)} leftover temp entries from an interrupted save; removed at the next save)")
@@ -214,10 +216,11 @@ def _remote_dirs(remote) -> tuple[list[int], int]:
 def _ls_row(tier, remote, step, local: bool, on_remote: bool, recorded: dict, args) -> tuple[str, int]:
     """One row of `ls` and whether it shows a problem."""
     from .errors import CheckpointNotFoundError
-    bad, committed, manifest, status = 0, False, None, ""
+    bad, committed, manifest, status, writer = 0, False, None, "", None
     if on_remote:
         try:
-            manifest = remote.upload_manifest(step).shard_manifest
+            upload = remote.upload_manifest(step)
+            manifest, writer = upload.shard_manifest, upload.writer
             committed = True
         except CheckpointNotFoundError:
             status = "half-uploaded (no upload.json: invisible to readers)"
@@ -239,6 +242,8 @@ def _ls_row(tier, remote, step, local: bool, on_remote: bool, recorded: dict, ar
         state = entry.get("state", "pending")
         status += f"; upload {state}" + (f": {entry['error']}" if entry.get("error") else "")
         bad += state == "failed"
+    if writer:
+        status += f"; committed by {writer.get('host')} pid {writer.get('pid')} ({writer.get('token', '')[:8]})"
     where = "+".join(name for name, has in (("local", local), ("remote", committed)) if has) or "remote"
     age, size, files = ((_age(manifest.created_unix), _size(manifest.total_size), len(manifest.shards))
                         if manifest is not None else ("?", "?", "?"))
@@ -248,11 +253,11 @@ def _ls_row(tier, remote, step, local: bool, on_remote: bool, recorded: dict, ar
 def _ls_stats(path) -> None:
     """The summary of the events file: what saves blocked and took, what uploads lagged."""
     from ._loop.stats import read_events, summarize
-    saves, uploads = read_events(path)
-    if not saves and not uploads:
+    saves, uploads, failures = read_events(path)
+    if not saves and not uploads and not failures:
         print(f"stats: {path} holds no records yet (written by a store that saves)")
         return
-    s = summarize(saves, uploads)
+    s = summarize(saves, uploads, failures)
     share = saves[-1].get("blocked_share") if saves else None
 
     def secs(key):
@@ -269,6 +274,28 @@ def _ls_stats(path) -> None:
             print(f"  {label + ':':<31} {secs(key)}")
     if s.get("save_bytes") and s.get("bytes_sent") and s["save_bytes"]["median"]:
         print(f"  sent per save: median {s['bytes_sent']['median'] / s['save_bytes']['median']:.3f}x its size")
+    if failures:
+        print(f"  failed saves: {len(failures)}; the last: {_failure(failures[-1])}")
+
+
+def _ls_failing(path) -> int:
+    """A line when the newest saves failed (none committed since): 1 then, else 0."""
+    from ._loop.stats import read_events
+    try:
+        saves, _, failures = read_events(path, limit=1 << 20)
+    except TieredCkptError:
+        return 0
+    last_ok = max((r.get("unix") or 0 for r in saves), default=0)
+    failing = [r for r in failures if (r.get("unix") or 0) > last_ok]
+    if failing:
+        print(f"SAVES FAILING: {len(failing)} save(s) failed since the last one that committed; "
+              f"the last: {_failure(failing[-1])}")
+    return int(bool(failing))
+
+
+def _failure(record: dict) -> str:
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(record.get("unix") or 0))
+    return f"step {record.get('step')} at {when}: {record.get('error')}"
 
 
 def _ls_lag(remote, local_steps: set[int], recorded: dict) -> int:
@@ -356,13 +383,23 @@ def cmd_push(args) -> int:
 
 def cmd_gc(args) -> int:
     """Delete remote step directories without an upload manifest, once nobody can be finishing them."""
-    from ._tiers.lease import WriterLease, describe, holder_alive
+    from ._tiers.lease import WriterLease
+    from .errors import WriterConflictError
     remote = _remote(args.remote_url, args)
     lease = WriterLease(remote.t)
-    holder = lease.read()
-    if holder is not None and holder_alive(holder)[0] and not args.force:
-        raise ValueError(f"{remote.display_url}: a live writer owns it ({describe(holder)}); it cleans up "
-                         "after itself -- pass --force to delete anyway")
+    if not args.dry_run:  # gc deletes as the remote's one writer, fenced like any: a live one refuses it
+        try:
+            lease.acquire(takeover=args.force)
+        except WriterConflictError as exc:
+            raise ValueError(f"{exc} -- a live writer cleans up after itself; --force takes the remote over "
+                             "from it (it stops writing there)") from None
+    try:
+        return _gc(remote, lease, args)
+    finally:
+        lease.release()
+
+
+def _gc(remote, lease, args) -> int:
     now = time.time()
     doomed = []
     for step in remote.uncommitted():
@@ -374,6 +411,7 @@ def cmd_gc(args) -> int:
     for step in doomed:
         print(f"step {step}: half-uploaded (no upload.json); " + ("would delete" if args.dry_run else "deleting"))
         if not args.dry_run:
+            lease.fence()
             remote.delete(step)
     if not doomed:
         print(f"{remote.display_url}: nothing to clean up")

@@ -9,6 +9,7 @@
      +-- BackgroundSaveError                                a background write failed
      +-- IncompatibleStateError (also ValueError)           saved state does not fit the live objects
      +-- WriterConflictError                                another live writer owns the run dir / remote
+     |    +-- CommitRefusedError (also FileExistsError)     a committed remote step is never overwritten
      +-- DistributedCommitError                             another rank failed; nothing was committed
      +-- UploadError                                        uploads failed for good (raised at close)
      +-- RemoteError (also OSError)                         a remote request failed; .transient
@@ -101,6 +102,11 @@ class WriterConflictError(TieredCkptError):
     """Another live writer holds the run directory or the remote prefix (named in the message)."""
 
     read_only_dir = False  # True: nobody holds it, but this directory cannot be written at all
+
+
+class CommitRefusedError(WriterConflictError, FileExistsError):
+    """The remote already holds a commit marker for this step, written by another writer (named):
+    a committed step is never overwritten."""
 
 
 class DistributedCommitError(TieredCkptError):

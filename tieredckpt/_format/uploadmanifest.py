@@ -50,6 +50,7 @@ class UploadManifest:
     checkpoint: dict  # the local manifest.json, embedded
     uploaded_unix: float
     schema_version: int = UPLOAD_SCHEMA
+    writer: dict | None = None  # {"token", "host", "pid"} of the writer that committed it (fencing)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)
@@ -78,7 +79,7 @@ class UploadManifest:
         uploaded = raw.get("uploaded_unix")
         if type(uploaded) not in (int, float):
             raise ManifestError(f"{source}: uploaded_unix must be a number")
-        return cls(step, raw["codec"], parsed, raw["checkpoint"], float(uploaded))
+        return cls(step, raw["codec"], parsed, raw["checkpoint"], float(uploaded), writer=_writer(raw.get("writer")))
 
     @property
     def shard_manifest(self) -> ShardManifest:
@@ -109,3 +110,12 @@ def _uploaded_file(raw, shard, where) -> UploadedFile:
     if offset != shard.size:
         raise ManifestError(f"{where}: parts cover {offset} bytes of {shard.size}")
     return UploadedFile(shard.path, shard.size, parts)
+
+
+def _writer(raw) -> dict | None:
+    """The committing writer's identity, if it is well formed (informational: never trusted for access)."""
+    if not isinstance(raw, dict) or not isinstance(raw.get("token"), str) or len(raw["token"]) > 64:
+        return None
+    host, pid = raw.get("host"), raw.get("pid")
+    return {"token": raw["token"], "host": host[:255] if isinstance(host, str) else "?",
+            "pid": pid if type(pid) is int else None}

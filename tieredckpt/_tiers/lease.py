@@ -1,25 +1,36 @@
-"""Who owns a remote prefix: one writer, recorded on the remote, with a heartbeat.
+"""Who owns a remote prefix: one writer, recorded on the remote, fenced on every write that matters.
 
-    ROOT/writer.json  {"host", "pid", "pid_start", "since", "heartbeat", "lease_seconds", "token"}
+    ROOT/writer.json  {"host", "pid", "pid_start", "since", "heartbeat", "seq", "lease_seconds",
+                       "sending", "token"}
 
 Only the owner uploads, commits and deletes under the prefix; everyone else
 (an eval job, a notebook, the CLI, a restore on another machine) reads and
-never asks for permission. The record is written when a writer starts and
-rewritten every ``heartbeat`` seconds by a thread of its own.
+never asks for permission.
+
+Where the backend enforces conditions (S3's If-None-Match/If-Match, a disk's
+O_EXCL link and flock: Transport.conditional) the record is a compare-and-swap
+register: every write of it -- taking it, each heartbeat, each "sending" note,
+the release -- names the version it replaces, so a writer whose record was
+replaced (a takeover, or a taker that has left since) finds out at its very
+next write and never writes again. ``fence()`` is that write: the uploader
+calls it before every commit marker and every batch of deletes, so after a
+takeover no old writer's upload.json, latest or delete reaches the remote
+(up to the one request between its last good fence and the write it fenced).
+Elsewhere the same calls read, compare and write (read-back after ``settle``
+closes the race for writers that start more than a round trip apart).
 
 Taking the lease, in order:
-  1. read writer.json; a record that is another live writer's stops us with a
-     WriterConflictError naming it. A record is dead when its heartbeat is older
-     than its ``lease_seconds``, or when it names a process on this host that no
-     longer exists (pid and start time), or when ``takeover`` is asked for;
-  2. write our record with a fresh random token;
-  3. wait ``settle`` seconds and read it back: another writer that raced us and
-     wrote last owns it, and we raise. (Object stores have no compare-and-swap
-     that every fsspec backend offers; read-back after a pause closes the race
-     for writers that start more than a round trip apart.)
-Every heartbeat reads the record first: a foreign token means our lease lapsed
-(an outage longer than ``lease_seconds``) and another writer took over; from
-then on we are not the owner and touch nothing.
+  1. read writer.json with its version and its age by the remote's clock; a
+     record that is another live writer's stops us with a WriterConflictError
+     naming it and saying how to take over. A record is dead when the remote's
+     own clock says it was not rewritten for its ``lease_seconds`` (never the
+     other host's timestamp against ours), or when it names a process on this
+     host that no longer exists, or when ``takeover`` is asked for. A record
+     whose age the backend cannot tell counts as alive;
+  2. write ours with a fresh random token, conditional on the version read (or
+     on nothing being there): a writer that wrote in between wins, and we raise.
+A heartbeat that finds the record gone or changed means someone else owned the
+prefix meanwhile: we stop, say so, and touch nothing more there.
 """
 
 from __future__ import annotations
@@ -56,27 +67,53 @@ class WriterLease:
         self.lost: str | None = None  # why we are no longer the owner
         self.previous: dict | None = None  # the record we replaced: its "sending" may be a half-upload
         self.sending: int | None = None  # the step being uploaded, so a successor can clean up after us
+        self.version: str | None = None  # of our record on the remote, for the next conditional write
+        self.seq = 0
+        self.fences = 0  # conditional writes of the record made to fence a commit or a delete
+        self._lock = threading.Lock()  # the heartbeat and the uploader write the record in turn
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     # ---- taking and keeping it ------------------------------------------------------------
 
     def acquire(self, takeover: bool = False) -> None:
-        """Become the owner, or raise WriterConflictError (or a transient RemoteError)."""
-        current = self.read()
+        """Become the owner, or raise WriterConflictError (or a transient RemoteError). With
+        ``takeover`` a record that changes under us (a live zombie's heartbeat) is read and
+        replaced again, a few times: the old writer's writes never keep a relaunch out."""
+        for attempt in range(_TAKEOVER_TRIES if takeover else 1):
+            try:
+                return self._acquire_once(takeover)
+            except _Raced:
+                if attempt + 1 == (_TAKEOVER_TRIES if takeover else 1):
+                    raise WriterConflictError(f"{self.t.display_url}: another writer took this remote at the "
+                                              f"same moment ({describe(self.read() or {})})") from None
+
+    def _acquire_once(self, takeover: bool) -> None:
+        found = self.t.read_versioned(layout.WRITER_LEASE, _MAX_RECORD)
+        current, version, age = (None, None, None) if found is None else (_parse(found[0], self.t), *found[1:])
         if current is not None and current.get("token") != self.token and not takeover:
-            alive, why = holder_alive(current, mine=_LIVE)
+            alive, why = holder_alive(current, age, mine=_LIVE)
             if alive:
                 raise WriterConflictError(
                     f"{self.t.display_url}: another writer owns this remote ({describe(current)}; {why}). "
-                    "Open with read_only=True to read; if that writer is gone, wait for its lease to lapse "
-                    "or pass takeover=True")
-        self._write()
-        time.sleep(self.settle)
-        back = self.read()
-        if back is None or back.get("token") != self.token:
-            raise WriterConflictError(f"{self.t.display_url}: another writer took this remote at the same moment "
-                                      f"({describe(back or {})})")
+                    "Open with read_only=True to read; if that writer is gone or must stop (a relaunch of "
+                    "its job), pass takeover=True: it stops writing there at its next write")
+        with self._lock:
+            seq = current.get("seq") if isinstance(current, dict) else None
+            self.seq = (seq if type(seq) is int and seq >= 0 else 0) + 1
+            if self.t.conditional:
+                body = self._record()
+                self.version = (self.t.put_if_absent(layout.WRITER_LEASE, body) if found is None
+                                else self.t.put_if_match(layout.WRITER_LEASE, body, version))
+                if self.version is None:
+                    raise _Raced()
+            else:
+                self._write_blind()
+                time.sleep(self.settle)
+                back = self.read()
+                if back is None or back.get("token") != self.token:
+                    raise WriterConflictError(f"{self.t.display_url}: another writer took this remote at the "
+                                              f"same moment ({describe(back or {})})")
         if current is not None and current.get("token") != self.token:
             log.warning("%s: took over the remote from %s", self.t.display_url, describe(current))
         self.owned, self.lost = True, None
@@ -85,32 +122,62 @@ class WriterLease:
         self._start_heartbeat()
 
     def renew(self) -> bool:
-        """One heartbeat: True while we own the prefix. A foreign token means we lost it."""
+        """One heartbeat: rewrite our record, on the condition that it is still ours. False (and
+        we are no longer the owner) when it was replaced or removed meanwhile."""
         if not self.owned:
             return False
-        current = self.read()
-        if current is not None and current.get("token") != self.token:
-            self.owned = False
-            _LIVE.discard(self.token)
-            self.lost = f"another writer took this remote over ({describe(current)})"
-            log.error("%s: %s; this store stops uploading and deleting there", self.t.display_url, self.lost)
+        with self._lock:
+            if not self.owned:
+                return False
+            self.seq += 1
+            if self.t.conditional:
+                version = self.t.put_if_match(layout.WRITER_LEASE, self._record(), self.version)
+                if version is not None:
+                    self.version = version
+                    return True
+                current = self.read()
+            else:
+                current = self.read()
+                if current is not None and current.get("token") == self.token:
+                    self._write_blind()
+                    return True
+            self._lose(current)
             return False
-        self._write()
-        return True
+
+    def fence(self) -> None:
+        """Prove, by a conditional write of our record, that we own the prefix at this moment;
+        raise WriterConflictError if not. Called right before each commit marker and deletion."""
+        self.check()
+        self.fences += 1
+        if not self.renew():
+            self.check()
+
+    def _lose(self, current: dict | None) -> None:
+        self.owned = False
+        _LIVE.discard(self.token)
+        if current is None:
+            self.lost = ("the writer record was removed: another writer owned this remote meanwhile (a takeover "
+                         "while this one could not reach it) and has closed since")
+        else:
+            self.lost = f"another writer took this remote over ({describe(current)})"
+        log.error("%s: %s; this store stops uploading and deleting there (its local checkpoints go on; "
+                  "open a new store to write there again)", self.t.display_url, self.lost)
 
     def note_sending(self, step: int) -> None:
         """Record the step about to be uploaded (before its first part is sent): if we die
-        mid-upload, the next owner knows where a half-upload may lie."""
+        mid-upload, the next owner knows where a half-upload may lie. A conditional write, so
+        it fences the sending too: a writer that lost the lease learns it here."""
         if self.owned and self.sending != step:
             self.sending = step
-            self._write()
+            if not self.renew():
+                self.check()
 
     def previous_sending(self) -> int | None:
         step = (self.previous or {}).get("sending")
         return step if type(step) is int and step >= 0 else None
 
     def check(self) -> None:
-        """Raise unless we own the prefix right now (called before anything is deleted)."""
+        """Raise unless we own the prefix as far as we know (no request)."""
         if not self.owned:
             raise WriterConflictError(f"{self.t.display_url}: this store does not own the remote"
                                       + (f": {self.lost}" if self.lost else ""))
@@ -121,9 +188,13 @@ class WriterLease:
         if self.owned:
             self.owned = False
             try:
-                current = self.read()
-                if current is not None and current.get("token") == self.token:
-                    self.t.rm(layout.WRITER_LEASE)
+                with self._lock:
+                    if self.t.conditional and self.version is not None:
+                        self.t.delete_if_match(layout.WRITER_LEASE, self.version)
+                    else:
+                        current = self.read()
+                        if current is not None and current.get("token") == self.token:
+                            self.t.rm(layout.WRITER_LEASE)
             except RemoteError as exc:
                 log.info("%s: could not release the writer lease (%s); it lapses in %.0f s",
                          self.t.display_url, exc, self.lease_seconds)
@@ -132,22 +203,21 @@ class WriterLease:
 
     def read(self) -> dict | None:
         data = self.t.get_optional(layout.WRITER_LEASE, _MAX_RECORD)
-        if data is None:
-            return None
-        try:
-            record = json.loads(data)
-        except ValueError:
-            record = None
-        if not isinstance(record, dict):
-            log.warning("%s: unreadable writer record; treating it as lapsed", self.t.where(layout.WRITER_LEASE))
-            return {"token": None, "heartbeat": 0}
-        return record
+        return None if data is None else _parse(data, self.t)
 
-    def _write(self) -> None:
+    def identity(self) -> dict:
+        """Who we are, as recorded in each upload manifest we commit (``tieredckpt ls`` shows it)."""
+        return {"token": self.token, "host": socket.gethostname(), "pid": os.getpid()}
+
+    def _record(self) -> bytes:
         record = {"host": socket.gethostname(), "pid": os.getpid(), "pid_start": process_start(os.getpid()),
-                  "since": self.since, "heartbeat": time.time(), "lease_seconds": self.lease_seconds,
-                  "sending": self.sending, "token": self.token}
-        self.t.put(layout.WRITER_LEASE, json.dumps(record).encode())
+                  "since": self.since, "heartbeat": time.time(), "seq": self.seq,
+                  "lease_seconds": self.lease_seconds, "sending": self.sending, "token": self.token}
+        return json.dumps(record).encode()
+
+    def _write_blind(self) -> None:
+        """Backends without conditional writes: the write itself (callers read first)."""
+        self.t.put(layout.WRITER_LEASE, self._record())
 
     def _start_heartbeat(self) -> None:
         if self._thread is None:
@@ -163,12 +233,34 @@ class WriterLease:
                 log.debug("writer heartbeat failed: %s", exc)
 
 
-def holder_alive(record: dict, mine: set[str] = frozenset()) -> tuple[bool, str]:
-    """(alive?, why) for a lease record another writer left. ``mine``: the tokens this
-    process holds now; a record of this very process with another token is a store of
-    ours that was closed without deleting it (the remote did not answer then)."""
-    age = time.time() - float(record.get("heartbeat") or 0)
+class _Raced(Exception):
+    """The record changed between our read and our conditional write."""
+
+
+_TAKEOVER_TRIES = 5
+
+
+def _parse(data: bytes, t: Transport) -> dict:
+    try:
+        record = json.loads(data)
+    except ValueError:
+        record = None
+    if not isinstance(record, dict):
+        log.warning("%s: unreadable writer record; treating it as lapsed", t.where(layout.WRITER_LEASE))
+        return {"token": None, "heartbeat": 0, "unreadable": True}
+    return record
+
+
+def holder_alive(record: dict, age: float | None, mine: set[str] = frozenset()) -> tuple[bool, str]:
+    """(alive?, why) for a lease record another writer left, ``age`` seconds old by the remote's
+    own clock (None: the backend cannot tell). ``mine``: the tokens this process holds now; a
+    record of this very process with another token is a store of ours that was closed without
+    deleting it (the remote did not answer then). Another host's ``heartbeat`` timestamp is
+    never compared with our clock: a host whose clock runs ahead would look alive for ever,
+    one whose clock runs behind would look dead at once."""
     lease = float(record.get("lease_seconds") or LEASE_SECONDS)
+    if record.get("unreadable"):
+        return False, "its record is unreadable"
     if record.get("host") == socket.gethostname() and record.get("pid") == os.getpid() \
             and record.get("pid_start") == process_start(os.getpid()) and record.get("token") not in mine:
         return False, "a closed store of this process"
@@ -177,9 +269,11 @@ def holder_alive(record: dict, mine: set[str] = frozenset()) -> tuple[bool, str]
         if start is None or (record.get("pid_start") is not None and start != record.get("pid_start")):
             return False, "that process is gone"
         return True, "that process is running on this host"
+    if age is None:
+        return True, "this remote cannot say how old its record is, so it is taken as alive"
     if age > lease:
-        return False, f"its last heartbeat was {age:.0f} s ago"
-    return True, f"last heartbeat {age:.0f} s ago; its lease lapses in {lease - age:.0f} s"
+        return False, f"the remote last saw its heartbeat {age:.0f} s ago"
+    return True, f"the remote saw its last heartbeat {age:.0f} s ago; its lease lapses in {lease - age:.0f} s"
 
 
 def describe(record: dict) -> str:

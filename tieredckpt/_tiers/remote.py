@@ -41,6 +41,7 @@ from .._format.shardheader import float_spans
 from .._format.uploadmanifest import MAX_UPLOAD_MANIFEST, PartEntry, UploadedFile, UploadManifest
 from ..errors import (
     CheckpointNotFoundError,
+    CommitRefusedError,
     CorruptCheckpointError,
     ManifestError,
     MissingShardError,
@@ -168,13 +169,28 @@ class RemoteTier:
                 for shard in shards]
 
     def commit_upload(self, manifest: ShardManifest, codec: str, files: list[UploadedFile],
-                      done: dict | None = None) -> UploadManifest:
-        """Confirm every part of every rank is on the remote, then write upload.json -- the commit marker."""
+                      done: dict | None = None, writer: dict | None = None) -> UploadManifest:
+        """Confirm every part of every rank is on the remote, then create upload.json -- the commit
+        marker -- only if none is there (a conditional write where the backend has one): a
+        committed step's marker is never overwritten, by us or by anyone. An existing marker that
+        ``writer`` (our identity) wrote is an earlier attempt of ours whose answer was lost."""
         step_dir = layout.step_dir_name(manifest.step)
         self._confirm_parts(step_dir, files, {} if done is None else done)
-        upload = UploadManifest(manifest.step, codec, files, json.loads(manifest.to_json()), time.time())
-        self.t.put(f"{step_dir}/{layout.UPLOAD_MANIFEST}", upload.to_json().encode())
+        upload = UploadManifest(manifest.step, codec, files, json.loads(manifest.to_json()), time.time(),
+                                writer=writer)
+        rel = f"{step_dir}/{layout.UPLOAD_MANIFEST}"
+        if self.t.put_if_absent(rel, upload.to_json().encode()) is None:
+            existing = self.upload_manifest(manifest.step)
+            if writer is None or (existing.writer or {}).get("token") != writer.get("token"):
+                raise CommitRefusedError(
+                    f"{self.where(rel)}: step {manifest.step} is already committed on the remote (by "
+                    f"{describe_writer(existing.writer)}); a committed step is never overwritten")
+            return existing
         return upload
+
+    def committed_by(self, step: int) -> dict | None:
+        """The writer identity recorded in a committed step's upload manifest (None: unrecorded)."""
+        return self.upload_manifest(step).writer
 
     def _confirm_parts(self, step_dir: str, files: list[UploadedFile], done: dict) -> None:
         """Before the commit marker: every part must be on the remote with its stored size.
@@ -408,6 +424,12 @@ class RemoteTier:
     def close(self) -> None:
         self._frames.clear()
         self.t.close()
+
+
+def describe_writer(writer: dict | None) -> str:
+    if not writer:
+        return "a writer that did not record itself"
+    return f"host {writer.get('host', '?')}, pid {writer.get('pid', '?')}, token {writer.get('token', '?')[:8]}"
 
 
 def _pwrite_all(fd: int, data, offset: int) -> None:

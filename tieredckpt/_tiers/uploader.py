@@ -51,7 +51,7 @@ from .._format.uploadmanifest import PartEntry, UploadedFile
 from ..errors import RemoteError, TieredCkptError, UploadError, WriterConflictError
 from .lease import WriterLease
 from .local import LocalTier
-from .remote import RemoteTier
+from .remote import RemoteTier, describe_writer
 from .retention import Policy, pins, plan_eviction
 
 log = logging.getLogger("tieredckpt")
@@ -87,6 +87,8 @@ class Uploader:
         self.uploaded: set[int] = set()  # upload.json seen on the remote
         self.superseded: set[int] = set()
         self.retired: set[int] = set()  # deleted by remote retention after upload
+        self._downloaded: set[int] = set()  # restored from the remote into the run dir: held there
+        self._remote_top: int | None = None  # the remote's newest step when we took it (collisions below)
         self._garbage: set[int] = set()  # abandoned half-uploads, deleted once a newer step commits
         self._deletions: set[int] = set()  # remote steps to delete (retried)
         self._done: dict[int, dict] = {}  # parts already sent, per step, across attempts
@@ -137,6 +139,18 @@ class Uploader:
             self._supersede_below(step)
         self._write_status()
 
+    def downloaded(self, step: int) -> None:
+        """A restore just brought ``step`` from the remote into the run directory: the remote holds
+        it (its upload manifest was read this moment), so it is never owed and rotation may evict it."""
+        with self._cond:
+            self._downloaded.add(step)
+            self._pending.discard(step)
+            self.uploaded.add(step)
+            if step >= max(self.uploaded):
+                self._confirmed = (step, time.monotonic())
+            self._set(step, "uploaded", None)
+        self._write_status()
+
     def pending(self) -> list[int]:
         with self._cond:
             return sorted(self._pending | ({self._current} if self._current is not None else set()))
@@ -149,7 +163,7 @@ class Uploader:
         with self._cond:
             if not self._known:  # the remote not asked yet: what was superseded, and what the last
                 believed = self._believed - {max(self._believed, default=None)}  # run saw uploaded
-                return (self.superseded | believed) - self._pending - {self._current}
+                return (self.superseded | believed | self._downloaded) - self._pending - {self._current}
             ok = (self.uploaded | self.superseded | self.retired) - self._pending - {self._current}
             if self.uploaded:
                 newest = max(self.uploaded)
@@ -202,13 +216,18 @@ class Uploader:
             lines = "; ".join(f"step {s}: {e}" for s, (e, _) in sorted(failures.items()))
             raise UploadError(f"{len(failures)} upload(s) failed: {lines}", {s: e for s, (e, _) in failures.items()})
 
-    def close(self) -> None:
-        """Stop the worker; a send in flight is resumed at the next start."""
+    def close(self, exit_timeout: float = 2.0) -> None:
+        """Stop the worker within ``exit_timeout`` seconds, whatever the remote does: every request
+        in flight is cancelled (a send in flight is resumed at the next start: the status file and
+        the remote say which step it was), and the lease's release gets what is left of the time
+        (unreleased, it lapses). Nothing here waits on the network longer."""
+        started = time.monotonic()
         self._stop.set()
         with self._cond:
             self._cond.notify_all()
+        self.remote.t.abort(exit_timeout)
         if self._thread.is_alive():
-            self._thread.join(timeout=1.0)
+            self._thread.join(timeout=max(0.0, min(1.0, exit_timeout / 2 - (time.monotonic() - started))))
         if self.lease is not None:
             self.lease.release()
 
@@ -260,7 +279,7 @@ class Uploader:
         if state is None:
             return False
         with self._cond:  # steps enqueued while we asked stay queued unless the remote has them
-            self.uploaded = set(state["uploaded"])
+            self.uploaded = set(state["uploaded"]) | (self._downloaded & set(self.local.steps()))
             self._pending = (set(state["pending"]) | self._pending) & set(self.local.steps()) - self.uploaded
             self.superseded |= set(local) - self.uploaded - self._pending
             if self.uploaded:
@@ -288,6 +307,7 @@ class Uploader:
         half = self.lease.previous_sending() if self.lease is not None else None
         if half is not None and half not in pending and not self.remote.is_committed(half):
             self._garbage.add(half)  # the previous writer died uploading it; ours to clean up
+        self._remote_top = newest
         return {"uploaded": uploaded, "pending": pending, "newest": newest}
 
     def _next_step(self, timeout: float) -> int | None:
@@ -337,10 +357,11 @@ class Uploader:
                 self._set(step, "superseded", "no longer in the run directory")
             return
         else:
-            if self.leader and self.lease is not None:
-                self._note_sending(step)
             started = time.monotonic()
-            error = self._attempt(step)
+            error = None
+            if self.leader and self.lease is not None:
+                error = self._prepare(step)
+            error = self._gather(error)[0] or self._attempt(step)
         if error is None:
             self._uploaded(step, time.monotonic() - started)
             return
@@ -392,12 +413,31 @@ class Uploader:
                                       done=done, progress=self.progress)
 
     def _commit(self, step: int, files: list[UploadedFile]) -> None:
-        if self.lease is not None:
-            self.lease.check()
+        # Order: sha256 recorded -> fence (a conditional write of our lease record: after a
+        # takeover it fails, and we write nothing more) -> upload.json created only if absent
+        # (never over a committed marker) -> latest. A crash anywhere leaves either no marker
+        # (the parts are garbage for the next owner) or a complete step.
         if self.before_commit is not None:
             self.before_commit(step)
-        self.remote.commit_upload(self.local.manifest(step), self.codec, files, self._done.get(step))
+        if self.lease is not None:
+            self.lease.fence()
+        writer = self.lease.identity() if self.lease is not None else None
+        self.remote.commit_upload(self.local.manifest(step), self.codec, files, self._done.get(step), writer=writer)
         self.remote.write_latest(max(self.uploaded | {step}))
+
+    def _clear_foreign(self, step: int) -> None:
+        """Before sending ``step``: a committed step of that number that we did not upload (another
+        timeline's: a writer we took over from committed it, or a relaunch reuses step numbers)
+        is deleted under our fence first, so our parts never land in a committed step."""
+        if self.lease is None or self._remote_top is None or step > self._remote_top or step in self.uploaded:
+            return  # newer than anything the remote held when we took it: nobody else can have it
+        if not self.remote.is_committed(step):
+            return
+        by = self.remote.committed_by(step)
+        self.lease.fence()
+        log.warning("%s: step %d there was committed by another writer (%s); replacing it with this run's "
+                    "step %d", self.remote.display_url, step, describe_writer(by), step)
+        self.remote.delete(step)
 
     def _uploaded(self, step: int, seconds: float) -> None:
         with self._cond:  # _current stays set until retention has had its turn: drain() waits for it
@@ -444,11 +484,18 @@ class Uploader:
 
     # ---- rank 0's housekeeping --------------------------------------------------------------
 
-    def _note_sending(self, step: int) -> None:
+    def _prepare(self, step: int) -> tuple[str, bool] | None:
+        """Rank 0, before any part of ``step`` is sent: note it in our lease record (a fenced write:
+        a writer that lost the lease stops here) and clear another timeline's step of that number.
+        None, or (error, transient) for the round."""
         try:
             self.lease.note_sending(step)
-        except RemoteError as exc:  # the sends that follow will meet the same trouble
-            log.debug("could not record the step being sent: %s", exc)
+            self._clear_foreign(step)
+        except WriterConflictError as exc:
+            return self._describe(exc), False
+        except RemoteError as exc:  # the sends that follow would meet the same trouble
+            return self._describe(exc), exc.transient
+        return None
 
     def _ensure_lease(self) -> None:
         if self.lease is not None and not self.lease.owned:
@@ -502,15 +549,15 @@ class Uploader:
         place the uploader's cost grows with the remote, and only with ``keep_remote``)."""
         if self.keep_remote is None:
             return
-        if not self._scanned:
-            try:
-                known = self.uploaded | self.retired
-                found = {s for s in self.remote.step_dirs() if s not in known and self.remote.is_committed(s)}
-            except RemoteError as exc:
-                log.warning("cannot list the remote for its retention policy (%s); retried later", exc)
-                return
-            with self._cond:
-                self.uploaded |= found
+        try:  # re-listed every time: steps we did not write (a late commit, another tool) are judged too
+            dirs = set(self.remote.step_dirs())
+            known = self.uploaded | self.retired
+            found = {s for s in dirs if s not in known and self.remote.is_committed(s)}
+        except RemoteError as exc:
+            log.warning("cannot list the remote for its retention policy (%s); retried later", exc)
+            return
+        with self._cond:
+            self.uploaded = (self.uploaded & dirs) | found  # what was deleted behind our back is gone
             self._scanned = True
         with self._cond:
             doomed = plan_eviction(self.uploaded, self.keep_remote, protected=[max(self.uploaded)])
@@ -522,12 +569,18 @@ class Uploader:
         """Delete queued remote steps (retention, abandoned half-uploads); failures stay queued."""
         with self._cond:
             todo = sorted(self._deletions)
+        if todo and self.lease is not None:
+            try:
+                self.lease.fence()  # only the owner deletes, and it proves it first
+            except (RemoteError, WriterConflictError) as exc:
+                log.warning("remote deletions of step(s) %s wait: %s", todo, exc)
+                return
         for step in todo:
             if self._stop.is_set():
                 return
             try:
                 if self.lease is not None:
-                    self.lease.check()  # only the owner deletes
+                    self.lease.check()
                 self.remote.delete(step)
             except (RemoteError, WriterConflictError) as exc:
                 log.warning("deleting remote step %d failed (%s); it is retried later", step, exc)
