@@ -91,14 +91,14 @@ def test_a_zombie_uploading_continuously_never_blocks_the_takeover(tmp_path, rem
         thread.join()
     b.save(1000, state(1000, "b")).wait()
     assert b.wait(uploads=True, timeout=60)
+    before = writers_by_step(remote)
+    for s in range(step[0] + 1, step[0] + 4):  # A's next writes (idle, it had nothing to write)
+        a.save(s, state(s)).wait()
     deadline = time.monotonic() + 10
     while a.uploader.lease.owned and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not a.uploader.lease.owned  # it noticed at its next write
-    before = writers_by_step(remote)
-    for s in range(step[0] + 1, step[0] + 4):
-        a.save(s, state(s)).wait()
-    time.sleep(1.0)
+    time.sleep(0.5)
     assert writers_by_step(remote) == before
     assert max(before) == 1000 and before[1000] == b.uploader.lease.token
     close_quietly(a)

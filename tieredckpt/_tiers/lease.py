@@ -220,7 +220,8 @@ class WriterLease:
         self.t.put(layout.WRITER_LEASE, self._record())
 
     def _start_heartbeat(self) -> None:
-        if self._thread is None:
+        if self._thread is None or not self._thread.is_alive():
+            self._stop.clear()
             self._thread = threading.Thread(target=self._beat, name="tieredckpt-lease", daemon=True)
             self._thread.start()
 

@@ -498,10 +498,22 @@ class Uploader:
         return None
 
     def _ensure_lease(self) -> None:
-        if self.lease is not None and not self.lease.owned:
-            if self.lease.lost:
-                raise WriterConflictError(f"{self.remote.display_url}: {self.lease.lost}")
+        """Own the prefix before a round. A lease we lost is taken again only through the normal
+        protocol (never a takeover): a live owner refuses us; a record that vanished (the remote
+        was wiped, or a taker left) is free. Then what the remote holds is read again."""
+        if self.lease is None or self.lease.owned:
+            return
+        lost = self.lease.lost
+        try:
             self.lease.acquire()
+        except WriterConflictError:
+            if lost:
+                raise WriterConflictError(f"{self.remote.display_url}: {lost}") from None
+            raise
+        if lost:
+            log.warning("%s: this store owns the remote again (%s before); re-reading what it holds",
+                        self.remote.display_url, lost)
+            self._remote_top = self.remote.newest_step()
 
     def _audit(self) -> list[int]:
         """Re-check that the remote still holds the newest uploaded step; if not, which local ones it lost."""
