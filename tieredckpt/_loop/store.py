@@ -441,6 +441,8 @@ class CheckpointStore(AbstractContextManager):
         if not self._node_leader or self.read_only:
             return []
         need = None if nbytes is None else nbytes + max(1 << 20, nbytes // 50)
+        if need is not None and self.local.free_bytes() >= need:
+            return []  # the usual case: one statvfs, no listing of steps or of the uploader's state
         with self._rotate_lock:
             evicted = self.local.make_room(need, self.keep_local - 1, self._protected())
         if evicted:
