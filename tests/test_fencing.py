@@ -105,6 +105,77 @@ def test_a_zombie_uploading_continuously_never_blocks_the_takeover(tmp_path, rem
     b.close()
 
 
+def test_a_zombie_process_after_a_relaunch_takes_over_commits_nothing_more(tmp_path, remote):
+    """Writer A is a real process that goes on saving and uploading every 0.2 s after B's takeover."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from s3server import CREDS
+    here = Path(__file__).parent
+    env = dict(os.environ, AWS_ACCESS_KEY_ID=CREDS["key"], AWS_SECRET_ACCESS_KEY=CREDS["secret"],
+               AWS_ENDPOINT_URL=remote.options.get("endpoint_url", ""))
+    a = subprocess.Popen([sys.executable, str(here / "zombie_writer.py"), str(tmp_path / "a"), remote.url],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        for line in a.stdout:  # until A has uploaded a few steps
+            if line.split()[-1] != "None" and int(line.split()[-1]) >= 3:
+                break
+        b = open_store(tmp_path / "b", remote, takeover=True)
+        resumed = b.restore()
+        start = resumed["step"]
+        for step in range(start + 1, start + 4):
+            b.save(step, state(step, "b")).wait()
+            assert b.wait(uploads=True, timeout=60)
+        time.sleep(2.0)  # A saves ~10 more steps and tries to upload them
+        a.send_signal(signal.SIGTERM)
+        _, err = a.communicate(timeout=60)
+    finally:
+        a.kill()
+    assert "took this remote over" in err, err[-2000:]
+    mine, held = b.uploader.lease.token, writers_by_step(remote)
+    assert max(held) == start + 3
+    assert all(held[s] == mine for s in held if s > start), held  # nothing of A's after the resume point
+    with CheckpointStore(tmp_path / "fresh", remote.url, remote_options=remote.options, read_only=True) as r:
+        for step in held:
+            assert first_difference(state(step, "b" if step > start else "a"), r.restore(step)) is None
+    b.close()
+
+
+def test_an_outage_longer_than_the_lease_then_another_writer_the_first_never_commits_again(
+        tmp_path, proxied, monkeypatch):
+    monkeypatch.setattr(WriterLease.__init__, "__kwdefaults__",
+                        {**WriterLease.__init__.__kwdefaults__, "lease_seconds": 2.0, "heartbeat": 0.5})
+    monkeypatch.setattr(lease_module.socket, "gethostname", lambda: "host-a")  # A runs on another host
+    a = CheckpointStore(tmp_path / "a", proxied.url, remote_options=proxied.options,
+                        upload_backoff=(0.05, 0.3, 0.3), request_timeout=2.0)
+    a.save(1, state(1)).wait()
+    assert a.wait(uploads=True, timeout=60)
+    proxied.proxy.set("dead")  # A's remote is gone for longer than its lease
+    for step in (2, 3):
+        a.save(step, state(step)).wait()
+    time.sleep(3.5)
+    monkeypatch.setattr(lease_module.socket, "gethostname", lambda: "host-b")
+    b = CheckpointStore(tmp_path / "b", proxied.url, remote_options=proxied.direct)  # no takeover needed
+    assert b.restore()["step"] == 1
+    for step in (2, 3):
+        b.save(step, state(step, "b")).wait()
+    assert b.wait(uploads=True, timeout=60)
+    proxied.proxy.clear()  # the remote returns to A
+    with pytest.raises(UploadError, match="took this remote over"):
+        a.wait(uploads=True, timeout=30)
+    assert not a.uploader.lease.owned
+    time.sleep(1.0)
+    held = {s: (proxied.remote().committed_by(s) or {}).get("token") for s in proxied.remote().steps()}
+    assert held[2] == held[3] == b.uploader.lease.token
+    with CheckpointStore(tmp_path / "fresh", proxied.url, remote_options=proxied.direct, read_only=True) as r:
+        assert first_difference(state(3, "b"), r.restore(3)) is None
+    close_quietly(a)
+    b.close()
+
+
 def test_a_writer_whose_clock_runs_10_minutes_ahead_is_refused_and_with_takeover_wins(tmp_path, remote, monkeypatch):
     a = open_store(tmp_path / "a", remote)
     a.save(1, state(1)).wait()
@@ -204,9 +275,51 @@ def test_cli_gc_is_fenced_a_live_writer_refuses_it_and_force_takes_over(tmp_path
     close_quietly(a)
 
 
+def test_cli_push_and_push_dir_are_fenced_a_live_writer_refuses_them(tmp_path, remote):
+    from test_remote_cli import cli
+    a = open_store(tmp_path / "a", remote)
+    a.save(1, state(1)).wait()
+    assert a.wait(uploads=True, timeout=60)
+    with CheckpointStore(tmp_path / "b") as other:  # another run's checkpoints, local only
+        other.save(7, state(7)).wait()
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "folder" / "f.bin").write_bytes(b"x" * 1000)
+    endpoint = remote.options.get("endpoint_url")
+    pushed = cli("push", tmp_path / "b", "--remote", remote.url, endpoint=endpoint)
+    assert pushed.returncode != 0 and "another writer owns this remote" in pushed.stderr, pushed.stderr
+    pushed_dir = cli("push-dir", tmp_path / "c", 8, tmp_path / "folder", "--remote", remote.url, endpoint=endpoint)
+    assert pushed_dir.returncode != 0 and "another writer owns this remote" in pushed_dir.stderr, pushed_dir.stderr
+    assert remote_tier(remote).steps() == [1]  # neither reached the remote
+    assert a.uploader.lease.renew()  # and the owner still owns it
+    a.close()
+
+
 def close_quietly(store: CheckpointStore) -> None:
     """Close a writer that lost its lease: the uploads it could not make may be raised here."""
     try:
         store.close()
     except UploadError as exc:
         assert "remote" in str(exc)
+
+
+@pytest.mark.parametrize("hostile", ["fifo", "symlink", "huge"])
+def test_a_planted_writer_record_on_a_disk_remote_is_refused_at_once_never_followed_or_blocked_on(
+        tmp_path, hostile):
+    import os
+    remote_dir = tmp_path / "remote"
+    remote_dir.mkdir()
+    target = tmp_path / "elsewhere.json"
+    target.write_text('{"token": "x", "host": "h", "pid": 1, "seq": 1, "heartbeat_unix": 0}')
+    record = remote_dir / "writer.json"
+    if hostile == "fifo":
+        os.mkfifo(record)
+    elif hostile == "symlink":
+        os.symlink(target, record)
+    else:
+        with open(record, "wb") as f:
+            f.truncate(1 << 40)  # sparse: 1 TiB declared
+    started = time.monotonic()
+    with pytest.raises(Exception, match=r"writer.json: (is a FIFO|is a symlink|larger than)"):
+        CheckpointStore(tmp_path / "run", f"file://{remote_dir}", takeover=True)
+    assert time.monotonic() - started < 10
+    assert target.read_text().startswith('{"token": "x"')  # never written through

@@ -103,9 +103,17 @@ class WriterLease:
             self.seq = (seq if type(seq) is int and seq >= 0 else 0) + 1
             if self.t.conditional:
                 body = self._record()
-                self.version = (self.t.put_if_absent(layout.WRITER_LEASE, body) if found is None
-                                else self.t.put_if_match(layout.WRITER_LEASE, body, version))
+                # Live before the record exists: another store of this process that reads it right
+                # after our write must not take it for a closed store's leftover (holder_alive).
+                _LIVE.add(self.token)
+                try:
+                    self.version = (self.t.put_if_absent(layout.WRITER_LEASE, body) if found is None
+                                    else self.t.put_if_match(layout.WRITER_LEASE, body, version))
+                except BaseException:
+                    _LIVE.discard(self.token)
+                    raise
                 if self.version is None:
+                    _LIVE.discard(self.token)
                     raise _Raced()
             else:
                 self._write_blind()

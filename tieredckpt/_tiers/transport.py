@@ -39,12 +39,14 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import errno
 import fcntl
 import hashlib
 import logging
 import os
 import re
 import secrets
+import stat
 import threading
 import time
 from concurrent.futures import CancelledError, Future, InvalidStateError
@@ -54,12 +56,14 @@ from typing import Any, Callable
 import fsspec
 from fsspec.asyn import AsyncFileSystem
 
+from .._format.safefile import kind_of
 from ..errors import RemoteAccessError, RemoteError, RemoteNotFoundError, TieredCkptError
 from .credentials import redact_url, scrub, secret_values, url_secrets
 from .s3body import PartBody
 
 REQUEST_TIMEOUT = 60.0  # seconds per request, plus one second per MB it moves
 _BYTES_PER_SECOND = 1_000_000
+_MAX_COMPARED = 8 << 20  # a record a disk's compare-and-replace reads (ours are ~300 bytes)
 _S3_DEFAULTS = {"connect_timeout": 5, "read_timeout": 30, "retries": {"max_attempts": 2, "mode": "standard"}}
 _STREAM_CHUNK = 1 << 20  # what get_stream hands its sink at a time
 _MAX_PUT = 5 << 30  # S3's limit for one PUT; s3fs sends larger bodies as a multipart upload
@@ -140,6 +144,9 @@ class Transport:
 
     def get(self, rel: str, max_size: int) -> bytes:
         """A whole object of at most ``max_size`` bytes; a larger one is refused unread (one ranged request)."""
+        if self.protocol in ("file", "local"):  # not through fsspec: a planted FIFO or symlink is refused
+            return self._disk_call(lambda: _read_regular(self.path(rel), max_size, self.where(rel))[0],
+                                   f"read {rel}", max_size)
         data = self._call("cat_file", (self.path(rel),), f"read {rel}", kwargs={"start": 0, "end": max_size + 1},
                           nbytes=max_size)
         if len(data) > max_size:
@@ -292,13 +299,19 @@ class Transport:
             raise RemoteError(f"{self.where(rel)}: larger than the {max_size} bytes allowed for it", transient=False)
         return data, response.get("ETag", ""), _server_age(response)
 
+    def _disk_call(self, fn: Callable[[], Any], what: str, nbytes: int = 0) -> Any:
+        """A disk backend's own request (not fsspec's), bounded and mapped as _call's are."""
+        timeout = self.request_timeout + nbytes / _BYTES_PER_SECOND
+        try:
+            return self._run(fn, timeout, what)
+        except TieredCkptError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - mapped, as in _call
+            raise self.map_error(exc, what, timeout) from None
+
     def _disk_read_versioned(self, rel: str, max_size: int) -> tuple[bytes, str, float | None]:
         path = self.path(rel)
-        with open(path, "rb") as f:
-            data = f.read(max_size + 1)
-            written = os.fstat(f.fileno()).st_mtime
-        if len(data) > max_size:
-            raise RemoteError(f"{self.where(rel)}: larger than the {max_size} bytes allowed for it", transient=False)
+        data, written = _read_regular(path, max_size, self.where(rel))
         probe = f"{path}.clock-{secrets.token_hex(4)}"  # "now" by the clock that stamped the record
         try:
             with open(probe, "wb"):
@@ -518,8 +531,7 @@ def _disk_conditional(path: str, data: bytes | None, version: str | None) -> str
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         try:
-            with open(path, "rb") as f:
-                current = f.read()
+            current = _read_regular(path, _MAX_COMPARED, path)[0]
         except FileNotFoundError:
             return None
         if _digest(current) != version:
@@ -533,6 +545,36 @@ def _disk_conditional(path: str, data: bytes | None, version: str | None) -> str
         os.replace(tmp, path)
         _fsync_dir(directory)
         return _digest(data)
+    finally:
+        os.close(fd)
+
+
+def _read_regular(path: str, max_size: int, where: str) -> tuple[bytes, float]:
+    """(bytes, mtime) of a regular file of at most ``max_size`` bytes on a disk remote. A symlink
+    (it could point anywhere), a FIFO (it would block the reader), a device or a directory is a
+    permanent RemoteError naming it, as is a larger file; nothing is read from those."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise RemoteError(f"{where}: is a symlink, not a file tieredckpt wrote; refused", transient=False) from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise RemoteError(f"{where}: is {kind_of(st.st_mode)}, not a file tieredckpt wrote; refused",
+                              transient=False)
+        if st.st_size > max_size:
+            raise RemoteError(f"{where}: larger than the {max_size} bytes allowed for it (not written by "
+                              "tieredckpt?)", transient=False)
+        chunks, left = [], max_size + 1
+        while left > 0 and (chunk := os.read(fd, min(left, 16 << 20))):
+            chunks.append(chunk)
+            left -= len(chunk)
+        data = b"".join(chunks)
+        if len(data) > max_size:
+            raise RemoteError(f"{where}: larger than the {max_size} bytes allowed for it", transient=False)
+        return data, st.st_mtime
     finally:
         os.close(fd)
 
