@@ -81,6 +81,21 @@ def _parser() -> argparse.ArgumentParser:
     _remote_args(push, "the remote (default: the one the run's store last used)")
     push.set_defaults(func=cmd_push)
 
+    push_dir = sub.add_parser("push-dir", help="commit a folder of files (a framework's checkpoint) as a step, and upload it")
+    push_dir.add_argument("run_dir")
+    push_dir.add_argument("step", type=int)
+    push_dir.add_argument("dir", help="the folder: ordinary files in any tree (no symlinks, FIFOs, devices)")
+    push_dir.add_argument("--copy", action="store_true", help="copy the files instead of hard-linking them")
+    _remote_args(push_dir, "the remote (default: the one the run's store last used; none: local only)")
+    push_dir.set_defaults(func=cmd_push_dir)
+
+    restore_dir = sub.add_parser("restore-dir", help="bring a folder step's files back into a new directory")
+    restore_dir.add_argument("source", help="a run directory, or the remote URL of one")
+    restore_dir.add_argument("--to", required=True, dest="to", help="a new or empty directory")
+    restore_dir.add_argument("--step", type=int, help="default: the newest")
+    _remote_args(restore_dir, "with a run directory: its remote (default: the one its store last used)")
+    restore_dir.set_defaults(func=cmd_restore_dir)
+
     verify = sub.add_parser("verify", help="check checkpoints' sizes and checksums (exit 1 on any problem)")
     verify.add_argument("run_dir")
     verify.add_argument("--step", type=int, help="only this step (default: every checkpoint)")
@@ -132,17 +147,28 @@ def _remote_args(parser, url_help: str | None) -> None:
                         help="an fsspec/s3fs option; repeatable")
 
 
-def _remote(url: str, args, create: bool = False):
-    from ._tiers.remote import RemoteTier
+def _remote_options(args, url: str | None) -> dict:
+    """--remote-option KEY=VALUE items and --endpoint-url (an S3 remote's), as fsspec options."""
     options = {}
     for item in args.remote_option:
         key, sep, value = item.partition("=")
         if not sep:
             raise ValueError(f"--remote-option {item!r}: expected KEY=VALUE")
         options[key] = value
-    if args.endpoint_url and url.startswith("s3://"):
+    if args.endpoint_url and url and url.startswith("s3://"):
         options["endpoint_url"] = args.endpoint_url
-    remote = RemoteTier(url, options)
+    return options
+
+
+def _recorded_remote(run_dir, args) -> str | None:
+    """--remote, or the remote the run's store last used (None: none, or one needing credentials)."""
+    url = args.remote or _status(LocalTier(run_dir, create=False, must_exist=False)).get("remote")
+    return url if isinstance(url, str) and "***@" not in url else None
+
+
+def _remote(url: str, args, create: bool = False):
+    from ._tiers.remote import RemoteTier
+    remote = RemoteTier(url, _remote_options(args, url))
     remote.t.probe(create=create)  # a missing bucket or refused credentials: say so now
     return remote
 
@@ -381,6 +407,39 @@ def cmd_push(args) -> int:
     return 0
 
 
+def cmd_push_dir(args) -> int:
+    """Commit DIR as STEP of RUN_DIR through a store (its lock and the remote's lease), then
+    wait for the upload."""
+    from ._loop.store import CheckpointStore
+    url = _recorded_remote(args.run_dir, args)
+    with CheckpointStore(args.run_dir, url, remote_options=_remote_options(args, url), every=0) as store:
+        manifest = store.save_files(args.step, args.dir, link=not args.copy).wait()
+        print(f"committed step {args.step} ({len(manifest.shards)} files, {_size(manifest.total_size)}) "
+              f"in {store.local.step_path(args.step)}")
+        if store.remote is not None:
+            if not store.wait(uploads=True):
+                raise RuntimeError("the upload did not finish; the next start resumes it")
+            print(f"uploaded step {args.step} to {store.remote.display_url}")
+    return 0
+
+
+def cmd_restore_dir(args) -> int:
+    """A folder step into a new directory, from a run directory (and its remote) or a remote URL."""
+    import tempfile
+    from ._loop.store import CheckpointStore
+    if "://" in args.source:
+        local, url = Path(tempfile.gettempdir()) / f"tieredckpt-reader-{os.getpid()}", args.source
+    else:
+        local, url = Path(args.source), _recorded_remote(args.source, args)
+    with CheckpointStore(local, url, remote_options=_remote_options(args, url), read_only=True) as store:
+        step = store.restore_files(args.step, to=args.to)
+    if step is None:
+        print(f"tieredckpt: error: {args.source}: holds no checkpoint", file=sys.stderr)
+        return 1
+    print(f"restored step {step} from {args.source} into {args.to}")
+    return 0
+
+
 def cmd_gc(args) -> int:
     """Delete remote step directories without an upload manifest, once nobody can be finishing them."""
     from ._tiers.lease import WriterLease
@@ -453,7 +512,7 @@ def cmd_verify(args) -> int:
             manifest = tier.verify(step, full=args.full)
             checked = kind if all(e.sha256 for e in manifest.shards) or not args.full else \
                 "crc32c; sha256 not recorded yet, a store opened on the run records it"
-            print(f"step {step}: ok ({len(manifest.shards)} shards, {_size(manifest.total_size)}, {checked})")
+            print(f"step {step}: ok ({len(manifest.shards)} {_unit(manifest)}, {_size(manifest.total_size)}, {checked})")
         except TieredCkptError as exc:
             failed += 1
             print(f"step {step}: FAILED: {exc}")
@@ -468,13 +527,16 @@ def cmd_inspect(args) -> int:
     if args.json:
         print(manifest.to_json())
         return 0
-    print(f"checkpoint {path}")
-    print(f"  step {manifest.step}, world_size {manifest.world_size}, "
+    folder = manifest.layout == "files"
+    print(f"{'folder step' if folder else 'checkpoint'} {path}")
+    print(f"  step {manifest.step}, {'files' if folder else 'world_size'} {manifest.world_size}, "
           f"schema_version {manifest.schema_version}, wall_clock_seconds {manifest.wall_clock_seconds:g}")
     print(f"  written {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(manifest.created_unix))}, "
-          f"{_size(manifest.total_size)} in {len(manifest.shards)} shards")
+          f"{_size(manifest.total_size)} in {len(manifest.shards)} {_unit(manifest)}")
     for key, value in manifest.user.items():
         print(f"  {key}: {value}")
+    if folder:
+        return _inspect_folder(path, manifest)
     problems = 0
     for entry in manifest.shards:
         try:
@@ -491,6 +553,24 @@ def cmd_inspect(args) -> int:
             print(f"      {name:<48} {info['dtype']:<5} {info['shape']}")
         if len(header) > 20:
             print(f"      ... and {len(header) - 20} more")
+    return 1 if problems else 0
+
+
+def _unit(manifest) -> str:
+    return "files" if manifest.layout == "files" else "shards"
+
+
+def _inspect_folder(path: Path, manifest) -> int:
+    """A folder step's files: bytes to us, so only their sizes and checksums, never their content."""
+    problems = 0
+    for entry in manifest.shards:
+        try:
+            open_shard(path, entry).close()  # a regular file of the recorded size
+            state = f"{_size(entry.size):>10}  crc32c {entry.crc32c}"
+        except TieredCkptError as exc:
+            problems += 1
+            state = f"BAD: {exc}"
+        print(f"  {entry.path.split('/', 1)[1]:<40} {state}")
     return 1 if problems else 0
 
 

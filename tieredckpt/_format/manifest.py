@@ -34,7 +34,7 @@ _INT_MAX = 2**63 - 1
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _HEX8 = re.compile(r"^[0-9a-f]{8}$")
 CODECS = ("raw",)
-LAYOUTS = ("plain", "dtensor")
+LAYOUTS = ("plain", "dtensor", "files")  # files: a folder of ordinary files (_tiers/folder.py)
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,8 @@ class ShardManifest:
     schema_version: int = SCHEMA_VERSION
     created_unix: float = 0.0
     user: dict = field(default_factory=dict)
-    layout: str = "plain"  # "dtensor": shards hold DTensor pieces, restored by assembling them
+    layout: str = "plain"  # "dtensor": shards hold DTensor pieces, restored by assembling them;
+    # "files": a folder of ordinary files, one per entry of ``shards`` (rank = its index)
 
     def to_json(self) -> str:
         raw = asdict(self)

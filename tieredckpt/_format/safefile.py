@@ -103,7 +103,7 @@ def open_checked(directory: str | os.PathLike, rel: str, max_size: int, what: st
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise UnreadableFileError(f"{path}: {what} is {_kind(st.st_mode)}, not a regular file; refused")
+            raise UnreadableFileError(f"{path}: {what} is {kind_of(st.st_mode)}, not a regular file; refused")
         if st.st_size > max_size:
             raise UnreadableFileError(f"{path}: {what} of {st.st_size} bytes is larger than the "
                                       f"{max_size} bytes allowed for it; refused")
@@ -120,7 +120,10 @@ def read_small(directory: str | os.PathLike, rel: str, max_size: int, what: str,
         return f.read_all()
 
 
-def _kind(mode: int) -> str:
+def kind_of(mode: int) -> str:
+    """What a file that is not a regular one is, for an error message."""
+    if stat.S_ISLNK(mode):
+        return "a symlink"
     if stat.S_ISFIFO(mode):
         return "a FIFO"
     if stat.S_ISDIR(mode):

@@ -50,6 +50,7 @@ from .._format.manifest import ShardManifest
 from .._format.phases import collecting
 from .._format.shardfile import VERIFY_MODES
 from .._format.tree import Staged
+from .._tiers import folder
 from .._tiers.lease import WriterLease
 from .._tiers.local import LocalTier
 from .._tiers.ranks import RankGroup, commit_rank, node_key
@@ -402,9 +403,13 @@ class CheckpointStore(AbstractContextManager):
         except Exception as exc:
             self._stats.save_failed(step, f"{type(exc).__name__}: {exc}")
             raise
-        # Committed. What follows can only warn: the checkpoint is safe whatever happens next.
+        self._after_commit(step, manifest, cost, time.perf_counter() - started, spent)
+        return manifest
+
+    def _after_commit(self, step: int, manifest: ShardManifest, cost: dict, write_s: float, spent) -> None:
+        """Committed. What follows can only warn: the checkpoint is safe whatever happens next."""
         try:
-            self._stats.saved(step, cost, time.perf_counter() - started, spent,
+            self._stats.saved(step, cost, write_s, spent,
                               manifest.shards[self.rank].size if self.ranks is not None else manifest.total_size)
             if self._node_leader:
                 self.local.update_latest()
@@ -415,7 +420,84 @@ class CheckpointStore(AbstractContextManager):
             self._rotate()
         except Exception as exc:  # noqa: BLE001
             log.warning("step %d is committed, but the work after it failed: %s", step, exc)
+
+    # ---- folders of files -------------------------------------------------------------
+
+    def save_files(self, step: int, directory: str | os.PathLike, *, user: dict | None = None,
+                   link: bool = True) -> SaveHandle:
+        """Commit a snapshot of the folder ``directory`` -- ordinary files in any tree, such as a
+        framework's checkpoint folder -- as step ``step``, with everything a ``save`` gets: the
+        atomic commit, ``latest``, rotation, upload, prefer-local restore (``restore_files``).
+
+        Returns once every file is hard-linked into the step's scratch (copied where no link can
+        be made, or with ``link=False``): from then on the folder may be changed or deleted. Its
+        files are fsynced, checksummed and committed in the background (``handle.wait()``).
+        Refused by name, with nothing saved: a symlink, FIFO, device or socket in the folder, a
+        file name that could leave the step, an empty folder. A file rewritten *in place* after
+        this returns would write through a hard link; use ``link=False`` for a folder whose files
+        are changed in place (frameworks write new files). One process only (``distributed=False``
+        in a multi-rank run: the rank that owns the folder saves it)."""
+        if self.ranks is not None:
+            raise ValueError("save_files runs in one process: open this store with distributed=False on "
+                             "the rank that owns the folder")
+        entered = time.monotonic()
+        self._ready_for(step)
+        user = check_user_value(user)
+        self.requests.clear_save()
+        staged = self._stage_with_room(step, Path(directory), link)
+        cost = {"blocked_s": time.monotonic() - entered, "staging_s": time.monotonic() - entered}
+        try:
+            future = self._writer.submit(self._write_folder, step, staged, user, cost)
+        except BaseException:
+            folder.discard(staged)
+            raise
+        self._pending = SaveHandle(step, future)
+        self._stats.blocked(cost["blocked_s"])
+        return self._pending
+
+    def _stage_with_room(self, step: int, directory: Path, link: bool) -> folder.Staged:
+        """folder.stage; a full disk while copying (no hard link possible) makes room by the
+        rotation rules, as a save does, and stages once more."""
+        self.local.clear_leftover(step)
+        newest = self.local.latest_step()
+        previous = self.local.step_path(newest) if newest is not None else None
+        try:
+            return folder.stage(directory, self.local.step_path(step), link, previous)
+        except DiskFullError:
+            if not self._make_room(step, None):
+                raise
+            return folder.stage(directory, self.local.step_path(step), link, previous)
+
+    def _write_folder(self, step: int, staged: folder.Staged, user: dict, cost: dict) -> ShardManifest:
+        # The writer thread: loss history durable -> the staged files fsynced, checksummed and
+        # committed (folder.commit: the manifest last, then the rename) -> _after_commit.
+        self.run.sync()
+        self.local.clean_stale_once()
+        wall = self._wall_base + time.monotonic() - self._wall_start
+        started = time.perf_counter()
+        try:
+            with collecting() as spent:
+                manifest = folder.commit(staged, step, wall, user)
+        except Exception as exc:
+            self._stats.save_failed(step, f"{type(exc).__name__}: {exc}")
+            raise
+        self._after_commit(step, manifest, cost, time.perf_counter() - started, spent)
         return manifest
+
+    def restore_files(self, step: int | None = None, *, to: str | os.PathLike) -> int | None:
+        """Bring back the newest (or the named) folder step's files into ``to``, a new or empty
+        directory: from the local copy when every file passes its crc32c, otherwise from the
+        remote (also onto a machine with nothing local). ``to`` appears whole or not at all.
+        Returns the step restored, or None when no tier holds any step (and none was named).
+        A newer step that fails its checks on every tier is named in a warning and the next
+        older one is used, as ``restore`` does."""
+        self._check_open()
+        self._finish_pending()
+        before = set(self.local.steps())
+        step = self._restorer.restore_files(step, Path(to))
+        if step is not None and self.uploader is not None and step not in before and step in self.local.steps():
+            self.uploader.downloaded(step)
+        return step
 
     def _commit_with_room(self, step: int, staged, user, wall: float) -> ShardManifest:
         """save_sharded, with room made first; a full disk mid-write (the estimate was short, or

@@ -47,6 +47,7 @@ from ..errors import (
     MissingShardError,
     RemoteError,
     RemoteNotFoundError,
+    TieredCkptError,
 )
 from .framepool import FramePool
 from .onethread import one_thread
@@ -163,9 +164,10 @@ class RemoteTier:
         sent (by remote path) across attempts, so a retry resumes instead of restarting."""
         step_dir = layout.step_dir_name(manifest.step)
         done = {} if done is None else done
+        typed = manifest.layout != "files"  # our shard files: zstd-dtype reads their tensor index
         return [UploadedFile(shard.path, shard.size,
                              self._upload_file(shard_path(local_dir, shard), shard.path, shard.size, step_dir,
-                                               codec, level, done, progress, self._frames))
+                                               codec, level, done, progress, self._frames, typed))
                 for shard in shards]
 
     def commit_upload(self, manifest: ShardManifest, codec: str, files: list[UploadedFile],
@@ -210,12 +212,13 @@ class RemoteTier:
             raise RemoteError(f"{self.where(step_dir)}: {len(missing)} uploaded part(s) are missing or short "
                               f"on the remote (first: {missing[0]}); sending them again", transient=True)
 
-    def _upload_file(self, path, name, size, step_dir, codec, level, done, progress, frames) -> list[PartEntry]:
+    def _upload_file(self, path, name, size, step_dir, codec, level, done, progress, frames,
+                     typed: bool = True) -> list[PartEntry]:
         # torch: imported only when something is sent
         from .._format.codec import encode, frame_bound, runs_in
         from .._format.memview import byte_view
         buf = map_file(path, size)
-        spans = float_spans(path) if codec == "zstd-dtype" else []
+        spans = (float_spans(path) if typed else _safetensors_spans(path)) if codec == "zstd-dtype" else []
         parts: list[PartEntry] = []
         in_flight = threading.BoundedSemaphore(self.concurrency + 1)
         errors: list[BaseException] = []
@@ -280,6 +283,8 @@ class RemoteTier:
         jobs, fds = [], []
         try:
             for f in files:
+                if "/" in f.path:  # a folder step's files/...: the path was checked to stay inside
+                    (dest / f.path).parent.mkdir(parents=True, exist_ok=True)
                 fd = os.open(dest / f.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
                 fds.append(fd)
                 os.ftruncate(fd, f.size)
@@ -424,6 +429,17 @@ class RemoteTier:
     def close(self) -> None:
         self._frames.clear()
         self.t.close()
+
+
+def _safetensors_spans(path) -> list[tuple[int, int, int]]:
+    """A folder's file: its float tensors when it is a safetensors file (our shard format is
+    one), else none -- every byte is then width 1 to zstd-dtype, plain zstd in effect."""
+    if not str(path).endswith(".safetensors"):
+        return []
+    try:
+        return float_spans(path)
+    except (TieredCkptError, OSError):  # not a safetensors file after all: plain bytes
+        return []
 
 
 def describe_writer(writer: dict | None) -> str:

@@ -35,6 +35,7 @@ from ..errors import (
     IncompatibleStateError,
     RemoteError,
 )
+from . import folder
 from .assemble import PieceFile, assemble
 from .local import LocalTier
 from .placement import Targets
@@ -70,13 +71,23 @@ class Restorer:
         ``quarantine/`` (so the run can save that step number again), and the next
         older one is tried. (None, None) when no tier holds any checkpoint.
         ``targets``: what the objects loaded into want (their sharding; placement.py)."""
-        self.targets, self._uploads = targets or Targets(), {}
+        self.targets = targets or Targets()
+        return self._first_that_loads(step, lambda c, local, remote: self.load(c, local, remote, reshard))
+
+    def restore_files(self, step: int | None, to: Path) -> int | None:
+        """A folder step's files into a new directory ``to``: the named step or the newest that
+        verifies, older ones tried in turn as ``restore`` does; None when no tier holds any step."""
+        return self._first_that_loads(step, lambda c, local, remote: self._load_folder(c, local, remote, to))[0]
+
+    def _first_that_loads(self, step: int | None, load) -> tuple[int | None, Any]:
+        """(step, load(step, local steps, remote steps)) of the first candidate that loads."""
+        self._uploads = {}
         for attempt in (1, 2):  # a second look when the writer rotated away what we were reading
             local_steps, remote_steps = self.local.steps(), RemoteSteps(self.remote)
             refused, vanished = [], False
             for candidate in self.candidates(step, local_steps, remote_steps):
                 try:
-                    return candidate, self.load(candidate, local_steps, remote_steps, reshard)
+                    return candidate, load(candidate, local_steps, remote_steps)
                 except Exception as exc:  # noqa: BLE001 - refusals are handled, anything else re-raised
                     gone = self.ranks is None and candidate in local_steps and \
                         not self.local.step_path(candidate).exists()
@@ -153,6 +164,8 @@ class Restorer:
         return self._load_any(step, local_steps, remote_steps, reshard, world)
 
     def _load_any(self, step: int, local_steps: list[int], remote_steps, reshard: bool, world: int) -> Any:
+        if step in local_steps:
+            _not_a_folder(self.local, step)
         if self._assembles(step, local_steps, remote_steps):
             return self._load_assembled(step, local_steps, remote_steps)
         if reshard and self._saved_manifest(step, local_steps).world_size != world:
@@ -352,10 +365,39 @@ class Restorer:
                 self.remote.fetch_files(upload, upload.files, tmp)
                 return load_sharded_files(tmp, upload.shard_manifest, self.verify)[0]
         self.local.download(step, self.remote, verify=self.verify)
+        _not_a_folder(self.local, step)
         if self.local.manifest(step).layout == "dtensor":
             return self._load_assembled(step, [step], remote_steps)
         # download() verified every file in this same mode before committing it
         return self.local.load(step, world_size=1, verify="none")[0]
+
+    def _load_folder(self, step: int, local_steps: list[int], remote_steps, to: Path) -> None:
+        """A folder step into ``to``: from the local copy when every file passes its crc32c as it
+        is copied out, else the remote copy (downloaded into the local tier first, verified)."""
+        if self.ranks is not None:
+            raise ValueError("restore_files runs in one process (a store opened with distributed=False)")
+        if step in local_steps:
+            manifest = self.local.manifest(step)
+            folder.require_folder(manifest, str(self.local.step_path(step)))
+            try:
+                return folder.materialize(self.local.step_path(step), manifest, to)
+            except CorruptCheckpointError as exc:
+                if step not in remote_steps:
+                    raise
+                _warn(f"{exc}; restoring step {step} from the remote copy instead")
+                if not self.read_only:
+                    self.local.quarantine(step, f"refused on restore: {exc}")
+        elif step not in remote_steps:
+            where = f" or {self.remote.display_url}" if self.remote is not None else ""
+            raise CheckpointNotFoundError(f"step {step}: no committed checkpoint in {self.local.root}{where}")
+        upload = self._upload(step)
+        folder.require_folder(upload.shard_manifest, self.remote.where(layout.step_dir_name(step)))
+        if self.read_only:  # a reader writes nothing into the run: a private temp dir, dropped after
+            with scratch_dir(None) as tmp:
+                self.remote.fetch_files(upload, upload.files, tmp)
+                return folder.materialize(tmp, upload.shard_manifest, to)
+        self.local.download(step, self.remote, verify=self.verify)
+        return folder.materialize(self.local.step_path(step), self.local.manifest(step), to)
 
     def _scratch(self, step: int):
         return scratch_dir(None if self.read_only else self.local.step_path(step))
@@ -430,6 +472,16 @@ class RemoteSteps:
         if step not in self._known:
             self._known[step] = self.remote.is_committed(step)
         return self._known[step]
+
+
+def _not_a_folder(local: LocalTier, step: int) -> None:
+    try:
+        manifest = local.manifest(step)
+    except (CorruptCheckpointError, OSError):
+        return  # the usual path refuses or replaces it
+    if folder.is_folder(manifest):
+        raise IncompatibleStateError(f"{local.step_path(step)}: step {step} is a folder of files saved with "
+                                     "save_files(); restore it with restore_files(to=...)")
 
 
 def _refusal(exc: BaseException | None) -> bool:
