@@ -1,0 +1,158 @@
+"""Hugging Face Trainer and accelerate on the tiers: real transformers and accelerate, a tiny
+GPT-2 built from a config on CPU, moto over HTTP."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import torch
+from hf_run import run
+from s3server import CREDS
+
+from tieredckpt import CheckpointStore, KeepLast
+from tieredckpt._tiers.remote import RemoteTier
+from tieredckpt.hf import STORE_DIR, TieredCheckpointCallback, load_state, prepare_resume, save_state
+
+HERE = Path(__file__).parent
+
+
+def folder_files(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def bucket(moto_server) -> str:
+    name = f"hf-{uuid.uuid4().hex[:10]}"
+    moto_server.make_bucket(name)
+    return f"s3://{name}/runs/x"
+
+
+def test_every_trainer_checkpoint_is_a_step_and_a_wiped_machine_resumes_bit_identically(tmp_path, moto_server):
+    url, options = bucket(moto_server), moto_server.options()
+    out = tmp_path / "out"
+    callback = TieredCheckpointCallback(remote=url, remote_options=options, keep_remote=KeepLast(3), uploads="all")
+    run(out, 20, [callback])
+    # the Trainer's own save_total_limit=2 removed its older folders; the store keeps its own policy
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-15", "checkpoint-20"]
+    with CheckpointStore(out / STORE_DIR, read_only=True) as store:
+        assert store.local.steps() == [10, 15, 20]  # keep_local=3
+        step_files = store.local.step_path(20) / "files"
+        assert folder_files(step_files) == folder_files(out / "checkpoint-20")
+    assert RemoteTier(url, options).steps() == [10, 15, 20]  # keep_remote=KeepLast(3)
+
+    trainers_own = tmp_path / "own"
+    shutil.copytree(out / "checkpoint-20", trainers_own / "checkpoint-20")
+    shutil.rmtree(out)  # a fresh machine: nothing local at all
+
+    resumed, losses = run(out, 30, [TieredCheckpointCallback(remote=url, remote_options=options)], resume=True)
+    reference, want = run(trainers_own, 30, [], resume=True)
+    assert resumed.state.global_step == reference.state.global_step == 30
+    assert sorted(losses) == list(range(21, 31)) and losses == want
+    for (name, a), (_, b) in zip(resumed.model.state_dict().items(), reference.model.state_dict().items()):
+        assert torch.equal(a, b), name
+    opt_a, opt_b = resumed.optimizer.state_dict()["state"], reference.optimizer.state_dict()["state"]
+    assert opt_a.keys() == opt_b.keys() and all(torch.equal(opt_a[k]["exp_avg"], opt_b[k]["exp_avg"]) for k in opt_a)
+    assert RemoteTier(url, options).steps()[-1] == 30
+
+
+def test_prepare_resume_brings_the_newest_folder_back_and_leaves_a_present_one_alone(tmp_path, moto_server):
+    url, options = bucket(moto_server), moto_server.options()
+    src = tmp_path / "checkpoint-40"
+    src.mkdir()
+    (src / "trainer_state.json").write_text('{"global_step": 40}')
+    with CheckpointStore(tmp_path / "writer", url, remote_options=options) as store:
+        store.save_files(40, src).wait()
+    out = tmp_path / "fresh"
+    assert prepare_resume(out, url, remote_options=options) == out / "checkpoint-40"
+    assert (out / "checkpoint-40" / "trainer_state.json").read_text() == '{"global_step": 40}'
+    (out / "checkpoint-40" / "mine").write_text("x")
+    assert prepare_resume(out, url, remote_options=options) == out / "checkpoint-40"  # present: untouched
+    assert (out / "checkpoint-40" / "mine").exists()
+    assert prepare_resume(tmp_path / "none", None) is None
+
+
+def test_sigusr1_saves_and_goes_on_and_sigterm_saves_stops_and_exits_0(tmp_path, moto_server):
+    url = bucket(moto_server)
+    out = tmp_path / "out"
+    env = dict(os.environ, AWS_ACCESS_KEY_ID=CREDS["key"], AWS_SECRET_ACCESS_KEY=CREDS["secret"],
+               AWS_ENDPOINT_URL=moto_server.endpoint, PYTHONPATH=str(HERE))
+    proc = subprocess.Popen([sys.executable, str(HERE / "hf_run.py"), str(out), url, "100000"],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    try:
+        sent = {}
+        for line in proc.stdout:
+            if not line.startswith("step "):
+                continue
+            step = int(line.split()[1])
+            if step == 3:
+                proc.send_signal(signal.SIGUSR1)
+                sent["usr1"] = step
+            elif step == 12:
+                proc.send_signal(signal.SIGTERM)
+                sent["term"] = step
+                break
+        rest, _ = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0
+    stopped = int(rest.strip().splitlines()[-1].split()[-1])
+    assert stopped >= 12
+    with CheckpointStore(out / STORE_DIR, read_only=True) as store:
+        steps = store.local.steps()
+        assert len(steps) == 2 and 3 <= steps[0] < 12 and steps[1] == stopped, steps
+        for step in steps:
+            store.local.verify(step, full=True)
+    assert folder_files(out / STORE_DIR / f"step_{stopped:06d}" / "files") == folder_files(out / f"checkpoint-{stopped}")
+
+
+def test_accelerate_two_lines_save_and_restore_a_loop_on_a_fresh_machine_bit_identically(tmp_path, remote):
+    from accelerate import Accelerator
+    from accelerate.utils import ProjectConfiguration
+
+    def loop(project: Path, seed: int):
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.2), torch.nn.Linear(16, 1))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        sched = torch.optim.lr_scheduler.StepLR(opt, 2, 0.5)
+        acc = Accelerator(cpu=True, project_config=ProjectConfiguration(
+            project_dir=str(project), automatic_checkpoint_naming=True, total_limit=1))
+        model, opt, sched = acc.prepare(model, opt, sched)
+        return acc, model, opt, sched
+
+    def steps(model, opt, sched, n):
+        losses = []
+        for _ in range(n):
+            x = torch.randn(4, 8)  # the RNG accelerate saves and restores
+            loss = model(x).pow(2).mean()
+            loss.backward()
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return losses
+
+    acc, model, opt, sched = loop(tmp_path / "proj", 0)
+    steps(model, opt, sched, 3)
+    with CheckpointStore(tmp_path / "a", remote.url, remote_options=remote.options) as store:
+        save_state(acc, store, 3).wait()
+        steps(model, opt, sched, 2)
+        save_state(acc, store, 5).wait()  # automatic naming goes on: checkpoint_1
+        assert store.wait(uploads=True)
+    want = steps(model, opt, sched, 5)
+    weights = [p.detach().clone() for p in model.parameters()]
+    shutil.rmtree(tmp_path / "a")
+    shutil.rmtree(tmp_path / "proj")
+
+    acc, model, opt, sched = loop(tmp_path / "proj2", 1)  # another init: everything must come back
+    with CheckpointStore(tmp_path / "b", remote.url, remote_options=remote.options) as store:
+        assert load_state(acc, store) == 5
+        assert acc.project_configuration.iteration == 2  # the next save does not collide
+        assert steps(model, opt, sched, 5) == want
+        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), weights))
+        save_state(acc, store, 10).wait()
+    assert not list((tmp_path / "b").glob(".accelerate-*"))  # the restore's scratch is gone

@@ -1,0 +1,223 @@
+"""Hugging Face Trainer and accelerate on the tiers (``pip install tieredckpt[hf]``).
+
+    from tieredckpt.hf import TieredCheckpointCallback
+    trainer = Trainer(model, args, train_dataset=data,
+                      callbacks=[TieredCheckpointCallback(remote="s3://bucket/runs/x")])
+    trainer.train(resume_from_checkpoint=True)   # resumes on a fresh machine too
+
+Each ``checkpoint-N/`` the Trainer saves is committed as step N with
+``CheckpointStore.save_files`` (hard links: the Trainer's save is not copied) and
+uploaded in the background. When the Trainer is built on a machine whose
+``output_dir`` lacks the newest step, the callback restores it into
+``output_dir/checkpoint-N/`` right then (``on_init_end``), before ``train`` looks
+for a checkpoint. SIGTERM asks the Trainer to save and stop at the next step
+boundary (exit 0, the step committed locally); SIGUSR1 asks for a save.
+
+accelerate, two lines:
+
+    tieredckpt.hf.save_state(accelerator, store, step)     # instead of accelerator.save_state()
+    step = tieredckpt.hf.load_state(accelerator, store)    # instead of accelerator.load_state()
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+from contextlib import ExitStack
+from pathlib import Path
+
+from transformers import TrainerCallback
+
+from ._loop.signals import Requests, handle_signals
+from ._loop.store import CheckpointStore, SaveHandle
+from .errors import CheckpointExistsError
+
+__all__ = ["TieredCheckpointCallback", "prepare_resume", "save_state", "load_state"]
+
+log = logging.getLogger("tieredckpt")
+STORE_DIR = ".tieredckpt"  # the store's run directory inside output_dir: same filesystem, so links work
+_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+
+
+def checkpoint_name(step: int) -> str:
+    return f"checkpoint-{step}"
+
+
+def _store(output_dir: str | os.PathLike, remote: str | None, local: str | os.PathLike | None,
+           options: dict) -> CheckpointStore:
+    options = {"every": 0, "distributed": False, **options}
+    return CheckpointStore(local if local is not None else Path(output_dir) / STORE_DIR, remote, **options)
+
+
+def _restore_newest(store: CheckpointStore, output_dir: Path) -> Path | None:
+    """The newest step into ``output_dir/checkpoint-N`` unless a folder of that name is there."""
+    newest = store.latest_step()
+    if newest is None:
+        return None
+    target = output_dir / checkpoint_name(newest)
+    if target.is_dir() and any(target.iterdir()):
+        return target  # the Trainer's own folder: nothing to bring back
+    store.restore_files(newest, to=target)
+    log.info("restored step %d into %s", newest, target)
+    return target
+
+
+def prepare_resume(output_dir: str | os.PathLike, remote: str | None = None, local: str | os.PathLike | None = None,
+                   **store_options) -> Path | None:
+    """Bring the newest step of the run back into ``output_dir/checkpoint-N/`` (from the local
+    store or the remote) so that ``trainer.train(resume_from_checkpoint=True)`` finds it; the
+    callback does this by itself when the Trainer is built. Returns the folder, or None when
+    no tier holds a step."""
+    with _store(output_dir, remote, local, store_options) as store:
+        return _restore_newest(store, Path(output_dir))
+
+
+class TieredCheckpointCallback(TrainerCallback):
+    """Put every checkpoint a ``transformers.Trainer`` saves on the tiers, and bring the newest
+    back on a machine that lacks it.
+
+    ``remote``: any fsspec URL (None: local tier only). ``local``: the store's run directory
+    (default ``output_dir/.tieredckpt``; keep it on ``output_dir``'s filesystem so the
+    Trainer's files are hard-linked, not copied). ``restore``: bring the newest step back
+    into ``output_dir`` when the Trainer is built. ``store_options``: passed to
+    :class:`~tieredckpt.CheckpointStore` (``keep_local``, ``keep_remote``, ``remote_options``...).
+    In a multi-process run the main process owns the store; every process waits for the
+    others before it commits (their per-rank files are in the folder then)."""
+
+    def __init__(self, remote: str | None = None, local: str | os.PathLike | None = None, *,
+                 restore: bool = True, **store_options) -> None:
+        self.remote, self.local, self.restore, self.options = remote, local, restore, store_options
+        self.store: CheckpointStore | None = None
+        self.requests = Requests()
+        self._signals = ExitStack()
+        self._handle: SaveHandle | None = None
+
+    def _open(self, args) -> CheckpointStore | None:
+        if not _is_main(args):
+            return None
+        if self.store is None or self.store._closed:
+            self.store = _store(args.output_dir, self.remote, self.local, self.options)
+        return self.store
+
+    def on_init_end(self, args, state, control, **kwargs):
+        store = self._open(args)
+        if store is not None and self.restore:
+            _restore_newest(store, Path(args.output_dir))
+        _barrier()
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self._open(args)
+        try:
+            self._signals.enter_context(handle_signals(self.requests))
+        except RuntimeError:  # not the main thread: no signals, the rest works
+            log.warning("the Trainer runs off the main thread: SIGTERM/SIGUSR1 are not handled")
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.requests.stop_requested():
+            control.should_save = control.should_training_stop = True
+        elif self.requests.save_requested():
+            control.should_save = True
+            self.requests.clear_save()
+        if control.should_save:
+            self._clear_for_save(args, state.global_step)
+
+    def _clear_for_save(self, args, step: int) -> None:
+        """The Trainer is about to write ``checkpoint-<step>/``; if a folder of that name exists and
+        its step is committed, remove it first, so that the Trainer writes new files instead of
+        writing through hard links into the committed step."""
+        store, folder = self.store, Path(args.output_dir) / checkpoint_name(step)
+        if store is None or not folder.is_dir() or not _is_main(args):
+            return
+        self._wait()
+        if step in store.local.steps():
+            shutil.rmtree(folder)
+
+    def on_save(self, args, state, control, **kwargs):
+        _barrier()  # every process's files (rng_state_<rank>.pth) are in the folder now
+        store = self.store if _is_main(args) else None
+        if store is None:
+            return
+        folder = Path(args.output_dir) / checkpoint_name(state.global_step)
+        try:
+            self._handle = store.save_files(state.global_step, folder,
+                                            user={"hf": {"global_step": state.global_step, "folder": folder.name}})
+        except CheckpointExistsError:
+            log.warning("step %d is already committed in %s; this save of %s is not stored again",
+                        state.global_step, store.local.root, folder)
+        if self.requests.stop_requested():
+            self._wait()  # about to stop: committed before train() returns
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self._signals.close()
+        if self.store is not None:
+            stopping = self.requests.stop_requested()
+            self.store.close(drain_uploads=not stopping)  # after SIGTERM: exit_timeout bounds it
+            self.store = None
+
+    def _wait(self) -> None:
+        handle, self._handle = self._handle, None
+        if handle is not None:
+            handle.wait()
+
+
+def _is_main(args) -> bool:
+    return getattr(args, "process_index", 0) == 0
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+# ---- accelerate -------------------------------------------------------------------------
+
+ITERATION_KEY = "accelerate_iteration"
+
+
+def save_state(accelerator, store: CheckpointStore | None, step: int, output_dir: str | os.PathLike | None = None,
+               **save_kwargs) -> SaveHandle | None:
+    """``accelerator.save_state`` committed as ``step`` of ``store``; every process calls it, the
+    main process passes its store (the others may pass None). Without ``output_dir`` and without
+    automatic checkpoint naming, the folder is a scratch directory the store's step replaces."""
+    naming = accelerator.project_configuration.automatic_checkpoint_naming
+    scratch = None
+    if output_dir is None and not naming:
+        root = store.local.root if store is not None else Path(accelerator.project_dir or ".")
+        scratch = output_dir = root / f".accelerate-{step}"
+    iteration = accelerator.project_configuration.iteration
+    where = Path(accelerator.save_state(None if naming else str(output_dir), **save_kwargs))
+    accelerator.wait_for_everyone()
+    handle = None
+    if accelerator.is_main_process and store is not None:
+        handle = store.save_files(step, where, user={ITERATION_KEY: iteration})
+    accelerator.wait_for_everyone()
+    if scratch is not None and accelerator.is_main_process:
+        shutil.rmtree(scratch, ignore_errors=True)  # the step holds its own links to every file
+    return handle
+
+
+def load_state(accelerator, store: CheckpointStore, step: int | None = None, **load_kwargs) -> int | None:
+    """The newest (or named) step of ``store`` loaded with ``accelerator.load_state``; the step, or
+    None when the run has none. One process per node restores the folder; with automatic
+    checkpoint naming the next save continues the iteration count."""
+    target = store.local.root / f".accelerate-restore-{os.getpid()}"
+    restored = None
+    try:
+        if accelerator.is_local_main_process:
+            restored = store.restore_files(step, to=target)
+        accelerator.wait_for_everyone()
+        if not target.is_dir():
+            return None
+        accelerator.load_state(str(target), **load_kwargs)
+        if restored is not None:
+            iteration = store.local.manifest(restored).user.get(ITERATION_KEY)
+            if accelerator.project_configuration.automatic_checkpoint_naming and isinstance(iteration, int):
+                accelerator.project_configuration.iteration = iteration + 1
+        return restored
+    finally:
+        accelerator.wait_for_everyone()
+        if accelerator.is_local_main_process:
+            shutil.rmtree(target, ignore_errors=True)
