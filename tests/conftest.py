@@ -189,3 +189,22 @@ def tmpfs(tmp_path):
     yield make
     for mount in mounted:
         subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def signal_training(script: Path, args: list, env: dict, signals: dict[int, int], timeout: float = 120) -> tuple[int, str]:
+    """Run a training script that prints ``step N`` lines; send ``signals[N]`` when it reports step
+    N (the last one ends the run); return (exit status, the rest of its output)."""
+    proc = subprocess.Popen([sys.executable, str(script), *map(str, args)], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True, env=env)
+    last = max(signals)
+    try:
+        for line in proc.stdout:
+            if line.startswith("step ") and int(line.split()[1]) in signals:
+                step = int(line.split()[1])
+                proc.send_signal(signals[step])
+                if step == last:
+                    break
+        rest, _ = proc.communicate(timeout=timeout)
+    finally:
+        proc.kill()
+    return proc.returncode, rest

@@ -6,13 +6,12 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import uuid
 from pathlib import Path
 
 import torch
 from hf_run import run
+from conftest import signal_training
 from s3server import CREDS
 
 from tieredckpt import CheckpointStore, KeepLast
@@ -81,25 +80,9 @@ def test_sigusr1_saves_and_goes_on_and_sigterm_saves_stops_and_exits_0(tmp_path,
     out = tmp_path / "out"
     env = dict(os.environ, AWS_ACCESS_KEY_ID=CREDS["key"], AWS_SECRET_ACCESS_KEY=CREDS["secret"],
                AWS_ENDPOINT_URL=moto_server.endpoint, PYTHONPATH=str(HERE))
-    proc = subprocess.Popen([sys.executable, str(HERE / "hf_run.py"), str(out), url, "100000"],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
-    try:
-        sent = {}
-        for line in proc.stdout:
-            if not line.startswith("step "):
-                continue
-            step = int(line.split()[1])
-            if step == 3:
-                proc.send_signal(signal.SIGUSR1)
-                sent["usr1"] = step
-            elif step == 12:
-                proc.send_signal(signal.SIGTERM)
-                sent["term"] = step
-                break
-        rest, _ = proc.communicate(timeout=120)
-    finally:
-        proc.kill()
-    assert proc.returncode == 0
+    status, rest = signal_training(HERE / "hf_run.py", [str(out), url, "100000"], env,
+                                   {3: signal.SIGUSR1, 12: signal.SIGTERM})
+    assert status == 0
     stopped = int(rest.strip().splitlines()[-1].split()[-1])
     assert stopped >= 12
     with CheckpointStore(out / STORE_DIR, read_only=True) as store:

@@ -5,8 +5,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import uuid
 from pathlib import Path
 
@@ -14,6 +12,7 @@ import lightning as L
 import pytest
 import torch
 from lightning_run import Model, run
+from conftest import signal_training
 from s3server import CREDS
 
 from tieredckpt import CheckpointStore, KeepLast, UnsupportedStateError
@@ -107,22 +106,9 @@ def test_sigusr1_saves_and_goes_on_sigterm_saves_stops_and_exits_0(tmp_path, mot
     root = tmp_path / "root"
     env = dict(os.environ, AWS_ACCESS_KEY_ID=CREDS["key"], AWS_SECRET_ACCESS_KEY=CREDS["secret"],
                AWS_ENDPOINT_URL=moto_server.endpoint, PYTHONPATH=str(HERE))
-    proc = subprocess.Popen([sys.executable, str(HERE / "lightning_run.py"), str(root), url],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
-    try:
-        for line in proc.stdout:
-            if not line.startswith("step "):
-                continue
-            step = int(line.split()[1])
-            if step == 5:
-                proc.send_signal(signal.SIGUSR1)
-            elif step == 30:
-                proc.send_signal(signal.SIGTERM)
-                break
-        rest, _ = proc.communicate(timeout=120)
-    finally:
-        proc.kill()
-    assert proc.returncode == 0
+    status, rest = signal_training(HERE / "lightning_run.py", [str(root), url], env,
+                                   {5: signal.SIGUSR1, 30: signal.SIGTERM})
+    assert status == 0
     stopped = int(rest.strip().splitlines()[-1].split()[-1])
     with CheckpointStore(root / "checkpoints" / STORE_DIR, read_only=True) as store:
         steps = store.local.steps()

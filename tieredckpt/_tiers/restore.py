@@ -344,19 +344,10 @@ class Restorer:
 
     def _load_single(self, step: int, local_steps: list[int], remote_steps: list[int]) -> Any:
         """The local copy if present and it verifies; else the remote copy, downloaded first."""
-        if step in local_steps:
-            try:
-                return self.local.load(step, world_size=1, verify=self.verify)[0]
-            except CorruptCheckpointError as exc:
-                if step not in remote_steps:
-                    raise
-                _warn(f"{exc}; restoring step {step} from the remote copy instead")
-                if not self.read_only:
-                    self.local.quarantine(step, f"refused on restore: {exc}")
-        elif step not in remote_steps:
-            where = f" or {self.remote.display_url}" if self.remote is not None else ""
-            raise CheckpointNotFoundError(f"step {step}: no committed checkpoint in {self.local.root}{where} "
-                                          f"(local: {local_steps[-5:] or 'none'})")
+        done, state = self._from_local(step, local_steps, remote_steps,
+                                       lambda: self.local.load(step, world_size=1, verify=self.verify)[0])
+        if done:
+            return state
         if self.read_only:  # a reader writes nothing: fetch into a private temp dir, load, drop it
             upload = self._upload(step)
             if upload.shard_manifest.layout == "dtensor":
@@ -371,16 +362,14 @@ class Restorer:
         # download() verified every file in this same mode before committing it
         return self.local.load(step, world_size=1, verify="none")[0]
 
-    def _load_folder(self, step: int, local_steps: list[int], remote_steps, to: Path) -> None:
-        """A folder step into ``to``: from the local copy when every file passes its crc32c as it
-        is copied out, else the remote copy (downloaded into the local tier first, verified)."""
-        if self.ranks is not None:
-            raise ValueError("restore_files runs in one process (a store opened with distributed=False)")
+    def _from_local(self, step: int, local_steps: list[int], remote_steps, read: Callable[[], Any]
+                    ) -> tuple[bool, Any]:
+        """(True, ``read()``) when the local copy serves; (False, None) when the remote's must: the
+        local copy is missing, or was refused (moved to quarantine/ with a warning). Raises when
+        neither tier can give the step."""
         if step in local_steps:
-            manifest = self.local.manifest(step)
-            folder.require_folder(manifest, str(self.local.step_path(step)))
             try:
-                return folder.materialize(self.local.step_path(step), manifest, to)
+                return True, read()
             except CorruptCheckpointError as exc:
                 if step not in remote_steps:
                     raise
@@ -389,7 +378,22 @@ class Restorer:
                     self.local.quarantine(step, f"refused on restore: {exc}")
         elif step not in remote_steps:
             where = f" or {self.remote.display_url}" if self.remote is not None else ""
-            raise CheckpointNotFoundError(f"step {step}: no committed checkpoint in {self.local.root}{where}")
+            raise CheckpointNotFoundError(f"step {step}: no committed checkpoint in {self.local.root}{where} "
+                                          f"(local: {local_steps[-5:] or 'none'})")
+        return False, None
+
+    def _load_folder(self, step: int, local_steps: list[int], remote_steps, to: Path) -> None:
+        """A folder step into ``to``: from the local copy when every file passes its crc32c as it
+        is copied out, else the remote copy (downloaded into the local tier first, verified)."""
+        if self.ranks is not None:
+            raise ValueError("restore_files runs in one process (a store opened with distributed=False)")
+
+        def from_local() -> None:
+            manifest = self.local.manifest(step)
+            folder.require_folder(manifest, str(self.local.step_path(step)))
+            folder.materialize(self.local.step_path(step), manifest, to)
+        if self._from_local(step, local_steps, remote_steps, from_local)[0]:
+            return
         upload = self._upload(step)
         folder.require_folder(upload.shard_manifest, self.remote.where(layout.step_dir_name(step)))
         if self.read_only:  # a reader writes nothing into the run: a private temp dir, dropped after
