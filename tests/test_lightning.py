@@ -5,13 +5,16 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import subprocess
+import sys
+import time
 import uuid
 from pathlib import Path
 
 import lightning as L
 import pytest
 import torch
-from lightning_run import Model, run
+from lightning_run import Model, data, run
 from conftest import signal_training
 from s3server import CREDS
 
@@ -40,7 +43,7 @@ def checkpointing(**kw):
 def test_fit_saves_every_checkpoint_through_the_store_and_a_wiped_machine_resumes_exactly(tmp_path, moto_server):
     url, options = bucket(moto_server), moto_server.options()
     root = tmp_path / "root"
-    run(root, 3, [tiered(url, options, keep_remote=KeepLast(3), uploads="all")], [checkpointing()])
+    _, first = run(root, 3, [tiered(url, options, keep_remote=KeepLast(3), uploads="all")], [checkpointing()])
     ckpts = root / "checkpoints"
     pointers = {p.name: read_pointer(p) for p in ckpts.glob("*.ckpt")}
     assert pointers["last.ckpt"] == 24 and len(pointers) == 3  # save_top_k=2 + last
@@ -56,7 +59,18 @@ def test_fit_saves_every_checkpoint_through_the_store_and_a_wiped_machine_resume
 
     reference_root = tmp_path / "lightning"  # Lightning's own checkpoints, same run
     run(reference_root, 3, [], [L.pytorch.callbacks.ModelCheckpoint(every_n_train_steps=4, save_last=True)])
-    shutil.rmtree(root)  # a fresh machine
+    shutil.rmtree(root)  # a fresh machine: ckpt_path="best" from the scores recorded at save time
+    best = checkpointing()
+    evaluating = L.Trainer(plugins=[tiered(url, options)], callbacks=[best], default_root_dir=str(root),
+                           accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False)
+    path = Path(best.find_best(evaluating))
+    held = {s: first.losses[s - 1] for s in (16, 20, 24)}  # train_loss logged at the step before the save
+    assert read_pointer(path) == min(held, key=held.get) and path.parent == ckpts
+    tested = Model()
+    evaluating.test(tested, data(), ckpt_path="best", verbose=False)
+    saved = load_checkpoint(path, remote=url, remote_options=options)["state_dict"]
+    assert all(torch.equal(v, tested.state_dict()[k]) for k, v in saved.items())
+    shutil.rmtree(root)
     resumed, model = run(root, 5, [tiered(url, options)], [checkpointing()], ckpt_path="last")
     own, own_model = run(reference_root, 5, [], [L.pytorch.callbacks.ModelCheckpoint(every_n_train_steps=4)],
                          ckpt_path=str(reference_root / "checkpoints" / "last.ckpt"))
@@ -113,5 +127,109 @@ def test_sigusr1_saves_and_goes_on_sigterm_saves_stops_and_exits_0(tmp_path, mot
     with CheckpointStore(root / "checkpoints" / STORE_DIR, read_only=True) as store:
         steps = store.local.steps()
         assert len(steps) == 2 and 5 <= steps[0] < 30 <= steps[1] == stopped, steps
+        store.local.verify(stopped, full=True)
+    assert read_pointer(root / "checkpoints" / "last.ckpt") == stopped
+
+
+def fsdp(root: Path, url: str, epochs: int, devices: int, out: Path, env: dict) -> int:
+    """lightning_fsdp.py: Lightning's own launcher starts the other rank; the global step it ended at."""
+    out.mkdir()
+    done = subprocess.run([sys.executable, str(HERE / "lightning_fsdp.py"), str(root), url, str(epochs),
+                           str(devices), str(out)], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return int(done.stdout.split()[-1])
+
+
+def gathered(out: Path, name: str) -> dict:
+    return torch.load(out / f"{name}.pt", weights_only=True)
+
+
+def assert_same(a: dict, b: dict) -> None:
+    assert sorted(a) == sorted(b) and any(k.startswith("optim/") for k in a)
+    assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])]
+
+
+def launch_env(moto_server=None) -> dict:
+    """No torchrun variables: Lightning's own launcher starts the ranks and picks a free port."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MASTER_", "RANK", "WORLD_SIZE", "LOCAL_RANK"))}
+    env["PYTHONPATH"] = str(HERE)
+    if moto_server is not None:
+        env.update(AWS_ACCESS_KEY_ID=CREDS["key"], AWS_SECRET_ACCESS_KEY=CREDS["secret"],
+                   AWS_ENDPOINT_URL=moto_server.endpoint)
+    return env
+
+
+def test_fsdp2_run_saves_through_the_store_and_resumes_at_1_then_2_ranks_on_fresh_machines(tmp_path, moto_server):
+    url, root, env = bucket(moto_server), tmp_path / "root", launch_env(moto_server)
+    assert fsdp(root, url, 2, 2, tmp_path / "a", env) == 16
+    with CheckpointStore(root / "checkpoints" / STORE_DIR, read_only=True) as store:
+        assert store.local.steps() == [8, 16] and store.local.manifest(16).world_size == 2
+    remote = RemoteTier(url, moto_server.options())
+    assert remote.steps() == [8, 16]
+    files = [p for p in root.rglob("*") if p.is_file()]
+    heads = [p.read_bytes()[:4] for p in files] + [remote.t.get(rel, 1 << 30)[:4] for rel in remote.t.list_files("")]
+    assert not any(head.startswith((PICKLE, ZIP)) for head in heads)  # no torch.save output: no .metadata pickle
+
+    shutil.rmtree(root)  # a fresh machine, one rank: the two ranks' pieces resharded
+    assert fsdp(root, url, 3, 1, tmp_path / "b", env) == 24
+    assert_same(gathered(tmp_path / "a", "end"), gathered(tmp_path / "b", "start"))
+    loop = gathered(tmp_path / "b", "start-loop")
+    assert loop["global_step"] == 16 and loop["lr"] == pytest.approx(0.01 * 0.5 ** 2)  # scheduler state too
+
+    shutil.rmtree(root)  # and back to two ranks, from the step one rank saved
+    assert fsdp(root, url, 4, 2, tmp_path / "c", env) == 32
+    assert_same(gathered(tmp_path / "b", "end"), gathered(tmp_path / "c", "start"))
+    assert gathered(tmp_path / "c", "start-loop")["global_step"] == 24
+
+
+def test_sigkill_mid_save_leaves_the_previous_step_live_and_last_resumes_from_it(tmp_path):
+    """A real Lightning process (a 48 MB state) killed with SIGKILL at moments of its second save."""
+    env = dict(os.environ, PYTHONPATH=str(HERE))
+    for attempt, delay in enumerate((0.0, 0.05, 0.2)):
+        root = tmp_path / f"root{attempt}"
+        proc = subprocess.Popen([sys.executable, str(HERE / "lightning_run.py"), str(root), "-", "2048", "3"],
+                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+        try:
+            for line in proc.stdout:
+                if line.strip() == "saving 6":
+                    break
+            time.sleep(delay)
+        finally:
+            proc.kill()
+        proc.wait(30)
+        ckpts = root / "checkpoints"
+        with CheckpointStore(ckpts / STORE_DIR, read_only=True) as store:
+            steps = store.local.steps()
+            assert steps in ([3], [3, 6]), steps
+            for step in steps:
+                store.local.verify(step, full=True)  # whatever is committed is whole
+        trainer, model = run(root, 1, [TieredCheckpointIO()], [checkpointing()], ckpt_path="last",
+                             model=Model(width=2048), max_steps=steps[-1] + 1)
+        assert sorted(model.losses) == [steps[-1]]  # resumed from the newest committed step
+        assert all(read_pointer(p) <= steps[-1] + 1 for p in ckpts.glob("*.ckpt"))  # none names the lost save
+
+
+def test_sigterm_to_one_rank_of_an_fsdp2_run_saves_on_every_rank_and_exits_0(tmp_path):
+    root, out = tmp_path / "root", tmp_path / "out"
+    out.mkdir()
+    proc = subprocess.Popen([sys.executable, str(HERE / "lightning_fsdp.py"), str(root), (tmp_path / "remote").as_uri(),
+                             "0", "2", str(out)], stdout=subprocess.PIPE, stderr=open(tmp_path / "stderr", "w"), text=True,
+                            env=launch_env())
+    pids = {}
+    try:
+        for line in proc.stdout:  # both ranks print here: Lightning's launcher shares the pipe
+            if line.startswith("rank "):
+                pids[int(line.split()[1])] = int(line.split()[3])
+            elif line.startswith("step ") and int(line.split()[1]) >= 5 and len(pids) == 2:
+                os.kill(pids[1], signal.SIGTERM)  # to the other rank only
+                break
+        rest, _ = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, (tmp_path / "stderr").read_text()[-3000:]
+    stopped = int(rest.split()[-1])
+    with CheckpointStore(root / "checkpoints" / STORE_DIR, read_only=True) as store:
+        assert store.local.steps()[-1] == stopped >= 5  # saved at a step boundary after the signal
+        assert store.local.manifest(stopped).world_size == 2  # by both ranks, one commit
         store.local.verify(stopped, full=True)
     assert read_pointer(root / "checkpoints" / "last.ckpt") == stopped

@@ -18,7 +18,12 @@ Removing a checkpoint (``save_top_k``) removes its pointer only: the store's own
 ``keep_local`` and ``keep_remote`` decide what is deleted, so nothing the remote still
 needs is ever removed by Lightning. SIGTERM (with ``TieredModelCheckpoint``): a
 checkpoint at the next step boundary, committed, then Lightning stops and ``fit``
-returns (exit 0); SIGUSR1: a checkpoint, and training goes on.
+returns (exit 0); SIGUSR1: a checkpoint, and training goes on (on every rank when sent to one).
+
+``ckpt_path="best"`` in a process that never trained: ``checkpoint.find_best(trainer)``
+ranks the checkpoints any tier holds by the scores recorded when they were saved.
+FSDP2 / tensor parallel: ``strategy=TieredModelParallelStrategy()`` sends Lightning's
+distributed checkpoints through the store's DCP writer (restorable at any world size).
 """
 
 from __future__ import annotations
@@ -27,21 +32,24 @@ import json
 import logging
 import os
 import signal
+import stat
 import warnings
 from collections import OrderedDict
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
 import torch
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.strategies import ModelParallelStrategy
 
 from ._format.atomic import atomic_write_bytes
 from ._loop.signals import Requests
 from ._loop.store import CheckpointStore, SaveHandle
-from .errors import CheckpointNotFoundError, UnsupportedStateError
+from .errors import CheckpointNotFoundError, RemoteNotFoundError, UnsupportedStateError
 
-__all__ = ["TieredCheckpointIO", "TieredModelCheckpoint", "load_checkpoint"]
+__all__ = ["TieredCheckpointIO", "TieredModelCheckpoint", "TieredModelParallelStrategy", "load_checkpoint"]
 
 log = logging.getLogger("tieredckpt")
 STORE_DIR = ".tieredckpt"  # the store's run directory inside the checkpoint directory
@@ -123,6 +131,23 @@ def from_plain(value: Any) -> Any:
     return value
 
 
+# ---- what the manifest says of a Lightning checkpoint ---------------------------------------
+
+def lightning_user(checkpoint: dict[str, Any], path: Path) -> dict:
+    """The manifest's ``user`` for a checkpoint: the file name Lightning gave it and, per monitored
+    quantity, the score ModelCheckpoint recorded for it (what ``find_best`` ranks by)."""
+    scores = {}
+    for key, state in (checkpoint.get("callbacks") or {}).items():
+        if not (isinstance(key, str) and "ModelCheckpoint" in key and isinstance(state, dict)):
+            continue
+        monitor, score = state.get("monitor"), state.get("current_score")
+        if isinstance(monitor, str) and isinstance(score, (torch.Tensor, int, float)):
+            value = float(score)
+            if value == value and abs(value) != float("inf"):  # JSON holds finite numbers only
+                scores[monitor] = value
+    return {"lightning": {"file": path.name, "scores": scores}}
+
+
 # ---- pointers -------------------------------------------------------------------------------
 
 def write_pointer(path: Path, step: int) -> None:
@@ -131,9 +156,15 @@ def write_pointer(path: Path, step: int) -> None:
 
 
 def read_pointer(path: Path) -> int | None:
-    """The step a pointer names; None when ``path`` is not one of ours (a foreign .ckpt)."""
-    with open(path, "rb") as f:
-        head = f.read(MAX_POINTER + 1)
+    """The step a pointer names; None when ``path`` is not one of ours (a foreign .ckpt, or not a
+    regular file: a FIFO planted under a checkpoint's name is never waited on)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a symlink is followed: save_last="link" makes them
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        head = os.read(fd, MAX_POINTER + 1)
+    finally:
+        os.close(fd)
     if len(head) > MAX_POINTER or not head.lstrip().startswith(b"{"):
         return None
     try:
@@ -164,13 +195,17 @@ class TieredCheckpointIO(CheckpointIO):
         self.requests = Requests()
         self._handle: SaveHandle | None = None
 
-    def store_for(self, directory: str | os.PathLike) -> CheckpointStore:
-        """The store (opened on first use) for checkpoints in ``directory``. Ranks other than 0 read."""
+    def store_for(self, directory: str | os.PathLike, distributed: bool = False) -> CheckpointStore:
+        """The store (opened on first use) for checkpoints in ``directory``: rank 0 writes and the
+        other ranks read, or, ``distributed`` (TieredModelParallelStrategy), every rank writes its shard."""
         if self.store is None or self.store._closed:
-            local = Path(self.local) if self.local is not None else Path(directory) / STORE_DIR
-            self.store = CheckpointStore(local, self.remote, **{"every": 0, "distributed": False,
-                                                                "read_only": _rank() != 0, **self.options})
+            self.store = CheckpointStore(self._local(directory), self.remote, **{
+                "every": 0, "distributed": distributed, "read_only": not distributed and _rank() != 0,
+                **self.options})
         return self.store
+
+    def _local(self, directory: str | os.PathLike) -> Path:
+        return Path(self.local) if self.local is not None else Path(directory) / STORE_DIR
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
         path = Path(path)
@@ -178,7 +213,7 @@ class TieredCheckpointIO(CheckpointIO):
         plain = to_plain(checkpoint, self.drop_unsupported)
         step = int(checkpoint.get("global_step", 0))
         if step not in store.local.steps() and not self._is_pending(step):
-            self._handle = store.save(step, plain, user={"lightning": {"file": path.name}})
+            self._handle = store.save(step, plain, user=lightning_user(checkpoint, path))
         path.parent.mkdir(parents=True, exist_ok=True)
         write_pointer(path, step)
 
@@ -198,7 +233,9 @@ class TieredCheckpointIO(CheckpointIO):
         self.wait()
         state = store.restore(step, mark_resume=False)
         if state is None:
-            raise CheckpointNotFoundError(f"{path}: names step {step}, which no tier holds")
+            raise CheckpointNotFoundError(
+                f"{path}: names step {step}, which no tier holds (a save killed before its commit, or a step "
+                "retention removed); TieredModelCheckpoint repairs the pointers before ckpt_path='last' resolves")
         return from_plain(state)
 
     def remove_checkpoint(self, path) -> None:
@@ -218,28 +255,78 @@ class TieredCheckpointIO(CheckpointIO):
             self.store.close(drain_uploads=not self.requests.stop_requested())
             self.store = None
 
-    def restore_pointers(self, directory: str | os.PathLike) -> list[Path]:
+    def restore_pointers(self, directory: str | os.PathLike, drop_uncommitted: bool = False) -> list[Path]:
         """Write back the pointer of every step the store holds (on any tier) that ``directory``
-        lacks, under the file name it was saved as, and ``last.ckpt`` to the newest."""
+        lacks, under the file name it was saved as, and ``last.ckpt`` to the newest. Runs on every
+        rank (Lightning resolves ``ckpt_path`` on each, before the process group exists): a reader
+        lists the tiers, and ranks writing the same pointer each replace it atomically.
+        ``drop_uncommitted`` (a run about to resume, no save of its own pending): remove pointers
+        to steps newer than any tier holds, left by a save killed before its commit."""
         directory = Path(directory)
-        store = self.store_for(directory)
-        written = []
-        infos = store.list()
-        for info in infos:
-            name = _saved_name(store, info.step)
-            if name and not (directory / name).exists():
-                directory.mkdir(parents=True, exist_ok=True)
-                write_pointer(directory / name, info.step)
-                written.append(directory / name)
-        if infos:
-            last = directory / f"{ModelCheckpoint.CHECKPOINT_NAME_LAST}{ModelCheckpoint.FILE_EXTENSION}"
-            if not last.exists() or _pointed(last) != infos[-1].step:
-                directory.mkdir(parents=True, exist_ok=True)
-                if last.is_symlink():
-                    last.unlink()
-                write_pointer(last, infos[-1].step)
-                written.append(last)
-        return written
+        with self._listing(directory) as store:
+            infos = store.list() if store is not None else []
+            if drop_uncommitted:
+                _drop_newer(directory, infos[-1].step if infos else None)
+            return _write_pointers(store, directory, infos) if infos else []
+
+    def recorded(self, directory: str | os.PathLike, monitor: str) -> dict[int, tuple[float, str]]:
+        """{step: (score, file name)} of every step any tier holds with a ``monitor`` score recorded."""
+        with self._listing(Path(directory)) as store:
+            found = {}
+            for info in store.list() if store is not None else []:
+                saved = _saved(store, info.step)
+                score, name = (saved.get("scores") or {}).get(monitor), _file_name(saved)
+                if isinstance(score, (int, float)) and name:
+                    found[info.step] = (float(score), name)
+            return found
+
+    @contextmanager
+    def _listing(self, directory: Path):
+        """The open store, or a reader of the tiers (none when there is nothing anywhere yet)."""
+        if self.store is not None and not self.store._closed:
+            yield self.store
+        elif self.remote is None and not self._local(directory).is_dir():
+            yield None  # a first run: nothing saved anywhere yet
+        else:
+            with self._reader(directory) as store:
+                yield store
+
+    def _reader(self, directory: Path) -> CheckpointStore | nullcontext:
+        reading = {k: v for k, v in self.options.items() if k in ("remote_options", "remote_fs")}
+        local = self._local(directory)
+        try:
+            return CheckpointStore(local, self.remote, read_only=True, distributed=False, **reading)
+        except RemoteNotFoundError:  # a file:// remote the first save will create: nothing there yet
+            if not local.is_dir():
+                return nullcontext(None)
+            return CheckpointStore(local, None, read_only=True, distributed=False)
+
+
+def _drop_newer(directory: Path, newest: int | None) -> None:
+    """Pointers are written when a save starts, so a kill before its commit leaves one naming a
+    step no tier holds: gone before the run resumes (only ours; a foreign .ckpt stays)."""
+    for path in directory.glob(f"*{ModelCheckpoint.FILE_EXTENSION}") if directory.is_dir() else []:
+        step = _pointed(path)
+        if step is not None and (newest is None or step > newest):
+            log.warning("%s names step %d, whose save did not commit: removed", path, step)
+            path.unlink(missing_ok=True)
+
+
+def _write_pointers(store: CheckpointStore, directory: Path, infos) -> list[Path]:
+    written = []
+    for info in infos:
+        name = _file_name(_saved(store, info.step))
+        if name and not (directory / name).exists():
+            directory.mkdir(parents=True, exist_ok=True)
+            write_pointer(directory / name, info.step)
+            written.append(directory / name)
+    if infos:
+        last = directory / f"{ModelCheckpoint.CHECKPOINT_NAME_LAST}{ModelCheckpoint.FILE_EXTENSION}"
+        if not last.exists() or _pointed(last) != infos[-1].step:
+            directory.mkdir(parents=True, exist_ok=True)
+            write_pointer(last, infos[-1].step)  # a rename: replaces a symlink (save_last="link") itself
+            written.append(last)
+    return written
 
 
 def _pointed(path: Path) -> int | None:
@@ -249,15 +336,21 @@ def _pointed(path: Path) -> int | None:
         return None
 
 
-def _saved_name(store: CheckpointStore, step: int) -> str | None:
+def _saved(store: CheckpointStore, step: int) -> dict:
+    """What the manifest of ``step`` says of it as a Lightning checkpoint ({} when nothing)."""
     try:
         if step in store.local.steps():
             user = store.local.manifest(step).user
         else:
             user = store.remote.upload_manifest(step).shard_manifest.user
     except Exception:  # noqa: BLE001 - a name is a convenience; the step still restores
-        return None
-    name = (user.get("lightning") or {}).get("file")
+        return {}
+    saved = user.get("lightning") if isinstance(user, dict) else None
+    return saved if isinstance(saved, dict) else {}
+
+
+def _file_name(saved: dict) -> str | None:
+    name = saved.get("file")
     return name if isinstance(name, str) and "/" not in name and name not in ("", ".", "..") else None
 
 
@@ -287,8 +380,26 @@ class TieredModelCheckpoint(ModelCheckpoint):
 
     def _find_last_checkpoints(self, trainer) -> set[str]:
         directory = self._ModelCheckpoint__resolve_ckpt_dir(trainer)
-        _plugin(trainer).restore_pointers(directory)
+        _plugin(trainer).restore_pointers(directory, drop_uncommitted=True)
         return super()._find_last_checkpoints(trainer)
+
+    def find_best(self, trainer) -> str:
+        """The best checkpoint any tier holds by this callback's ``monitor`` and ``mode`` (the
+        scores recorded when each was saved), its pointer written back; also sets
+        ``best_model_path``, so ``ckpt_path="best"`` works after it, in a process that never
+        trained: ``trainer.test(model, ckpt_path=checkpoint.find_best(trainer))``."""
+        if self.monitor is None:
+            raise ValueError("find_best ranks checkpoints by a score: use TieredModelCheckpoint(monitor=...)")
+        directory = Path(self._ModelCheckpoint__resolve_ckpt_dir(trainer))
+        plugin = _plugin(trainer)
+        plugin.restore_pointers(directory)
+        scored = plugin.recorded(directory, self.monitor)
+        if not scored:
+            raise CheckpointNotFoundError(f"{directory}: no checkpoint on any tier has a {self.monitor!r} score")
+        pick = min if self.mode == "min" else max
+        step = pick(sorted(scored), key=lambda s: scored[s][0])
+        self.best_model_path = str(directory / scored[step][1])
+        return self.best_model_path
 
     def on_train_start(self, trainer, pl_module) -> None:
         super().on_train_start(trainer, pl_module)
@@ -328,8 +439,89 @@ class TieredModelCheckpoint(ModelCheckpoint):
 
 
 def _plugin(trainer) -> TieredCheckpointIO:
-    plugin = trainer.strategy.checkpoint_io
+    return _strategy_plugin(trainer.strategy, "TieredModelCheckpoint")
+
+
+# ---- FSDP2 / tensor parallel -------------------------------------------------------------------
+
+class TieredModelParallelStrategy(ModelParallelStrategy):
+    """Lightning's ``ModelParallelStrategy`` (FSDP2, tensor parallel) with its distributed
+    checkpoints on the tiers: every rank's pieces go through the store's DCP writer as one
+    committed step (a rank that fails commits nothing), uploaded like any other, and restore at
+    any world size, on a fresh machine too. Lightning's own sharded checkpoint is a directory of
+    DCP files plus a ``torch.save`` pickle of the rest, written in place; here the rest is plain
+    values kept beside rank 0's pieces and the file Lightning sees is a pointer.
+
+        Trainer(strategy=TieredModelParallelStrategy(), plugins=[TieredCheckpointIO(remote=...)],
+                callbacks=[TieredModelCheckpoint(...)])
+
+    Takes ModelParallelStrategy's arguments. With ``save_distributed_checkpoint=False`` the
+    gathered full state is saved by rank 0 through TieredCheckpointIO."""
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
+        if not self._save_distributed_checkpoint:
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        from torch.distributed.checkpoint import save
+        plugin = _strategy_plugin(self)
+        path = Path(self.broadcast(str(filepath)))
+        store = plugin.store_for(path.parent, distributed=True)
+        step = int(checkpoint.get("global_step", 0))
+        pieces = {"state_dict": checkpoint.pop("state_dict"),
+                  **{f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))}}
+        rest = to_plain(checkpoint, plugin.drop_unsupported)  # on every rank: all refuse alike
+        # Order: every rank's pieces committed as one step (inside dcp.save) -> rank 0 points
+        # Lightning's file name at it -> barrier. A crash before the commit leaves the previous
+        # step and its pointer; a crash after it, a committed step that restore_pointers names.
+        if not self.broadcast(step in store.local.steps()):  # the same step again ("last"): a pointer only
+            save(pieces, storage_writer=store.dcp_writer(step, rest if self.global_rank == 0 else None,
+                                                         lightning_user(checkpoint, path)))
+        if self.global_rank == 0:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_pointer(path, step)
+        self.barrier("TieredModelParallelStrategy.save_checkpoint")
+
+    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
+        path = Path(self.broadcast(str(checkpoint_path)))
+        step = read_pointer(path) if path.is_file() else None
+        if step is None:
+            if weights_only is not True:
+                raise UnsupportedStateError(
+                    f"{path}: not a tieredckpt checkpoint; its metadata is a pickle and is not read. Load it "
+                    "with weights_only=True to read tensors and plain values only")
+            return super().load_checkpoint(path, weights_only=True)
+        from torch.distributed.checkpoint import load
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+            set_optimizer_state_dict,
+        )
+        store = _strategy_plugin(self).store_for(path.resolve().parent, distributed=True)
+        module = self.model
+        rest = from_plain(store.dcp_reader(step).read_extra())
+        # One dcp.load for the model and every optimizer: the reader verifies every chunk this
+        # rank needs before it copies any into a live tensor, so a bad piece loads nothing.
+        state = {"state_dict": get_model_state_dict(module),
+                 **{f"optimizer_{i}": get_optimizer_state_dict(module, o) for i, o in enumerate(self.optimizers)}}
+        load(state, storage_reader=store.dcp_reader(step))
+        module.load_state_dict(state["state_dict"], strict=self.lightning_module.strict_loading)
+        for i, optimizer in enumerate(self.optimizers):
+            set_optimizer_state_dict(module, optimizer, optim_state_dict=state[f"optimizer_{i}"],
+                                     options=StateDictOptions(cpu_offload=True))
+        return rest if isinstance(rest, dict) else {}
+
+    def teardown(self) -> None:
+        # ModelParallelStrategy's teardown leaves the checkpoint plugin open: close the store
+        # (uploads drained) before the process group goes.
+        plugin = self.checkpoint_io
+        if isinstance(plugin, TieredCheckpointIO):
+            plugin.teardown()
+        super().teardown()
+
+
+def _strategy_plugin(strategy, needed_by: str = "TieredModelParallelStrategy") -> TieredCheckpointIO:
+    plugin = strategy.checkpoint_io
     if not isinstance(plugin, TieredCheckpointIO):
-        raise TypeError("TieredModelCheckpoint needs Trainer(plugins=[TieredCheckpointIO(...)]); the Trainer's "
+        raise TypeError(f"{needed_by} needs Trainer(plugins=[TieredCheckpointIO(...)]); the Trainer's "
                         f"checkpoint plugin is {type(plugin).__name__}")
     return plugin

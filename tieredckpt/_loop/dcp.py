@@ -59,9 +59,9 @@ def _done(value: Any) -> torch.futures.Future:
 class TieredWriter(StorageWriter):
     """A DCP storage writer that commits into ``store`` as step ``step`` (see module doc)."""
 
-    def __init__(self, store, step: int) -> None:
+    def __init__(self, store, step: int, extra: Any = None, user: dict | None = None) -> None:
         super().__init__()
-        self.store, self.step = store, step
+        self.store, self.step, self.extra, self.user = store, step, extra, user
         self._mappings: dict = {}
 
     def reset(self, checkpoint_id=None) -> None:
@@ -96,7 +96,9 @@ class TieredWriter(StorageWriter):
             results.append(WriteResult(index=item.index, size_in_bytes=size, storage_data=None))
         mappings = [[k, list(v)] for k, v in self._mappings.items()]
         state = {"dcp": {"version": VERSION, "tensors": tensors, "bytes": values, "mappings": mappings}}
-        self.store.commit_unstaged(self.step, state)  # every rank: one commit for the whole world
+        if self.extra is not None:  # a plain tree beside this rank's entries (TieredReader.read_extra)
+            state["extra"] = self.extra
+        self.store.commit_unstaged(self.step, state, self.user)  # every rank: one commit for the whole world
         return _done(results)
 
     def finish(self, metadata, results) -> None:
@@ -119,9 +121,19 @@ class TieredReader(StorageReader):
         self._stack: ExitStack | None = None
         self._chunks: dict[tuple, tuple[Any, dict]] = {}
         self._values: dict[str, Any] = {}
+        self._extra: Any = None
 
     def reset(self, checkpoint_id=None) -> None:
         pass
+
+    def read_extra(self) -> Any:
+        """The plain tree a writer kept as ``extra`` (the lowest rank's that has one; None when
+        none did), its tensors read and verified."""
+        self.read_metadata()
+        try:
+            return _materialize(self._extra)
+        finally:
+            self._close()
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
         self._close()
@@ -140,7 +152,7 @@ class TieredReader(StorageReader):
         """Every rank's entries: chunks by (fqn, offsets), plain values, and DCP's planner data."""
         meta: dict[str, Any] = {}
         mappings: dict[str, tuple] = {}
-        self._chunks, self._values = {}, {}
+        self._chunks, self._values, self._extra = {}, {}, None
         for f in files:
             saved = tree.unflatten(f.skeleton, lambda i, path, f=f: _Ref(f, i), str(f.path), count=len(f.names),
                                    on_piece=lambda path, node, f=f: (f, node))
@@ -148,6 +160,8 @@ class TieredReader(StorageReader):
             if not isinstance(dcp, dict) or dcp.get("version") != VERSION:
                 raise CorruptCheckpointError(f"{f.path}: not written by tieredckpt's DCP writer "
                                              "(restore it with store.restore instead)")
+            if self._extra is None:
+                self._extra = saved.get("extra")
             for fqn, (pf, node) in _pairs(dcp.get("tensors"), f):
                 box, whole, dtype = piece_box(node, str(pf.path))
                 entry = meta.setdefault(fqn, TensorStorageMetadata(TensorProperties(dtype=dtype),

@@ -365,13 +365,13 @@ class CheckpointStore(AbstractContextManager):
         if (self.local.step_path(step) / layout.MANIFEST).exists():
             raise CheckpointExistsError(f"{self.local.step_path(step)}: step {step} is already committed")
 
-    def commit_unstaged(self, step: int, state: Any) -> ShardManifest:
+    def commit_unstaged(self, step: int, state: Any, user: dict | None = None) -> ShardManifest:
         """Write ``state`` as ``step`` on the writer thread and wait for the commit, with no staging
         copy: for a caller that leaves the tensors unchanged until this returns (the DCP writer,
         inside ``dcp.save``, or on ``dcp.async_save``'s own staged copy). Every rank calls it."""
         self._ready_for(step)
         staged = Staged(*tree.flatten(state))
-        future = self._writer.submit(self._write, step, staged, None, None, {"blocked_s": 0.0, "staging_s": 0.0})
+        future = self._writer.submit(self._write, step, staged, user, None, {"blocked_s": 0.0, "staging_s": 0.0})
         self._pending = SaveHandle(step, future)
         return self._pending.wait()
 
@@ -734,13 +734,16 @@ class CheckpointStore(AbstractContextManager):
                 self.run.mark_resume(step)
         return state
 
-    def dcp_writer(self, step: int):
+    def dcp_writer(self, step: int, extra: Any = None, user: dict | None = None):
         """A torch.distributed.checkpoint StorageWriter that commits into this store as ``step``:
         ``dcp.save(state, storage_writer=store.dcp_writer(step))`` (or ``dcp.async_save``), on
-        every rank. The step is committed, rotated and uploaded like one ``save()`` wrote."""
+        every rank. The step is committed, rotated and uploaded like one ``save()`` wrote.
+        ``extra``: a plain tree (tensors, numbers, strings, lists, dicts) kept beside this rank's
+        entries, outside DCP's planner; ``store.dcp_reader(step).read_extra()`` gives it back.
+        ``user``: JSON metadata for the manifest, as ``save(user=...)`` (the same on every rank)."""
         from .dcp import TieredWriter
         self._check_writable()
-        return TieredWriter(self, step)
+        return TieredWriter(self, step, extra, user)
 
     def dcp_reader(self, step: int | None = None):
         """A torch.distributed.checkpoint StorageReader of ``step`` (default: the newest on any
