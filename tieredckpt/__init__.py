@@ -7,6 +7,7 @@ the command line's read-only commands -- do not pay for importing torch.
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
@@ -31,6 +32,41 @@ _WHERE = {
 }
 
 __all__ = sorted(_WHERE) + ["__version__"]
+
+if TYPE_CHECKING:  # what the names above resolve to, for type checkers and the API reference
+    from ._format.flat import FlatCheckpoint, flat_state, flat_to_model, model_to_flat, read_flat, write_flat
+    from ._format.manifest import ShardEntry, ShardManifest
+    from ._loop.config import StoreConfig
+    from ._loop.rng import capture_rng, restore_rng
+    from ._loop.runlog import LossHistory, RunLog
+    from ._loop.store import CheckpointInfo, CheckpointStore, SaveHandle
+    from ._tiers.retention import AnyOf, KeepEvery, KeepLast
+    from ._tiers.sharded import load_sharded, save_sharded, verify_checkpoint
+    from .errors import (
+        BackgroundSaveError,
+        CheckpointExistsError,
+        CheckpointNotFoundError,
+        ChecksumMismatchError,
+        CommitRefusedError,
+        CorruptCheckpointError,
+        DiskFullError,
+        DistributedCommitError,
+        FlatFormatError,
+        IncompatibleStateError,
+        ManifestError,
+        MissingShardError,
+        NotARunDirectoryError,
+        RemoteAccessError,
+        RemoteError,
+        RemoteNotFoundError,
+        ShardCountMismatchError,
+        TieredCkptError,
+        UnreadableFileError,
+        UnsupportedStateError,
+        UploadError,
+        WorldSizeMismatchError,
+        WriterConflictError,
+    )
 
 
 def __getattr__(name: str):

@@ -15,6 +15,8 @@ import torch
 
 
 def capture_rng() -> dict[str, Any]:
+    """Every global generator's state (Python, NumPy when installed, torch CPU, each CUDA
+    device) as plain values and tensors, to save beside the model; ``restore_rng`` puts it back."""
     state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
     np = _numpy()
     if np is not None:

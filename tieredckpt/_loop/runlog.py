@@ -66,6 +66,10 @@ class LossHistory:
 
 
 class RunLog:
+    """A run directory's side files: the append-only loss history (``.loss.json``), samples
+    and free-form state (``.samples.json``, ``.state.json``, replaced atomically), resume
+    marks and pivots. The store keeps one as ``store.run``; open one alone to read them."""
+
     def __init__(self, run_dir: str | os.PathLike, create: bool = True) -> None:
         self.root = Path(run_dir)
         if create:

@@ -128,6 +128,19 @@ class SaveHandle:
 
 
 class CheckpointStore(AbstractContextManager):
+    """A run's checkpoints on the tiers: atomic, verified, pickle-free commits on local disk,
+    a background upload to a remote, rotation, and restores that prefer the local copy and
+    fall back to the remote (also on a machine with nothing local).
+
+        with CheckpointStore("runs/lm", "s3://bucket/runs/lm") as store:
+            saved = store.restore(into={"model": model, "optim": opt})
+            ...
+            store.save(step, {"model": model, "optim": opt, "step": step})
+
+    One writer per run directory and remote (a second raises WriterConflictError; open
+    readers with ``read_only=True``). See ``__init__`` for every option, and
+    ``from_config`` to read them from a TOML file."""
+
     def __init__(self, local: str | os.PathLike, remote: str | None = None, *, keep_local: int = 3,
                  every: int = 100, verify: str = "crc", remote_options: dict | None = None,
                  keep_remote: Policy | None = None, compression: str | None = "zstd-dtype",
