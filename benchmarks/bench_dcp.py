@@ -87,7 +87,7 @@ def worker() -> None:
     args = json.loads(os.environ["BENCH_ARGS"])
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     base = Path(args["dir"])
     out: dict = {"rank": rank}
     counted = [0]

@@ -57,7 +57,7 @@ class FaultProxy:
         self.log: list[tuple[str, str]] = []  # (method, path) of every request, in order
         self._stop = False
 
-    def start(self) -> "FaultProxy":
+    def start(self) -> FaultProxy:
         threading.Thread(target=self._accept, daemon=True).start()
         return self
 

@@ -26,7 +26,7 @@ class MotoServer:
         self.endpoint = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
 
-    def start(self) -> "MotoServer":
+    def start(self) -> MotoServer:
         exe = Path(sys.executable).with_name("moto_server")
         cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "moto.server"]
         env = dict(os.environ, MOTO_S3_DEFAULT_KEY_BUFFER_SIZE=str(256 << 20))
@@ -39,7 +39,7 @@ class MotoServer:
                 return self
             except Exception:  # noqa: BLE001 - not up yet
                 if self.proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"moto server did not start on {self.endpoint}")
+                    raise RuntimeError(f"moto server did not start on {self.endpoint}") from None
                 time.sleep(0.1)
 
     def kill(self) -> None:

@@ -19,8 +19,8 @@ import pytest
 from test_ranks import launch, results
 
 from tieredckpt._format.manifest import ShardManifest
-from tieredckpt.errors import ChecksumMismatchError
 from tieredckpt._format.shardheader import read_header
+from tieredckpt.errors import ChecksumMismatchError
 
 WORKER = Path(__file__).with_name("fsdp_worker.py")
 

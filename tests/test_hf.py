@@ -10,8 +10,8 @@ import uuid
 from pathlib import Path
 
 import torch
-from hf_run import run
 from conftest import signal_training
+from hf_run import run
 from s3server import CREDS
 
 from tieredckpt import CheckpointStore, KeepLast

@@ -14,8 +14,8 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from lightning_run import Model, data, run
 from conftest import signal_training
+from lightning_run import Model, data, run
 from s3server import CREDS
 
 from tieredckpt import CheckpointStore, KeepLast, UnsupportedStateError

@@ -27,8 +27,10 @@ import sys
 import threading
 import time
 import traceback
+import warnings
 from pathlib import Path
 
+from . import __version__
 from ._format import layout
 from ._format.shardheader import read_header
 from ._tiers.local import LocalTier
@@ -38,6 +40,9 @@ from .errors import TieredCkptError
 
 
 def main(argv: list[str] | None = None) -> int:
+    # torch, imported by the commands that parse tensors, warns at import when NumPy is absent
+    # (it is optional: nothing here uses it); a user of the CLI has nothing to act on.
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
     args = _parser().parse_args(argv)
     debug = args.debug or os.environ.get("TIEREDCKPT_DEBUG") == "1"
     logging.basicConfig(level=logging.DEBUG if debug else logging.WARNING, format="tieredckpt: %(message)s")
@@ -57,6 +62,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tieredckpt", description="Inspect and manage tieredckpt runs.",
                                 epilog="exit codes: 0 fine, 1 error or problem found, 2 bad usage, 130 interrupted")
     p.add_argument("--debug", action="store_true", help="show the traceback of an error")
+    p.add_argument("--version", action="version", version=f"tieredckpt {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
     ls = sub.add_parser("ls", help="list a run's checkpoints, where each lives, and how far uploads lag")
@@ -426,6 +432,7 @@ def cmd_push_dir(args) -> int:
 def cmd_restore_dir(args) -> int:
     """A folder step into a new directory, from a run directory (and its remote) or a remote URL."""
     import tempfile
+
     from ._loop.store import CheckpointStore
     if "://" in args.source:
         local, url = Path(tempfile.gettempdir()) / f"tieredckpt-reader-{os.getpid()}", args.source

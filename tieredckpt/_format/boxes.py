@@ -14,9 +14,9 @@ written by each copy) are read once: the first one counts.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from math import prod
-from typing import Sequence
 
 from ..errors import CorruptCheckpointError
 
@@ -30,7 +30,7 @@ class Box:
     def numel(self) -> int:
         return prod(self.shape)
 
-    def relative_to(self, outer: "Box") -> tuple[slice, ...]:
+    def relative_to(self, outer: Box) -> tuple[slice, ...]:
         """This box as slices of a tensor that holds ``outer``."""
         return tuple(slice(o - p, o - p + s) for o, p, s in zip(self.offset, outer.offset, self.shape))
 

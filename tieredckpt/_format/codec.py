@@ -28,7 +28,7 @@ from __future__ import annotations
 import struct
 import sys
 import warnings
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import zstandard

@@ -104,7 +104,7 @@ def model_to_flat(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     """
     params = _checked_params(model, optimizer)
     weights, ms, vs, counts = [], [], [], set()
-    for name, p in params:
+    for _, p in params:
         state = optimizer.state.get(p, {})
         weights.append(p.detach().reshape(-1))
         ms.append(state["exp_avg"].reshape(-1) if "exp_avg" in state else torch.zeros(p.numel()))
@@ -114,7 +114,9 @@ def model_to_flat(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
         if len(counts) > 1:
             raise ValueError(f"AdamW step counts differ across parameters {sorted(counts)}; pass step=")
         step = counts.pop() if counts else 0
-    cat = lambda xs: torch.cat([x.detach().cpu().float() for x in xs]) if xs else torch.zeros(0)
+    def cat(xs):
+        return torch.cat([x.detach().cpu().float() for x in xs]) if xs else torch.zeros(0)
+
     return FlatCheckpoint(step, cat(weights), cat(ms), cat(vs))
 
 

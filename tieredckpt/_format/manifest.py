@@ -68,7 +68,7 @@ class ShardManifest:
         return json.dumps(raw, indent=1, sort_keys=False)
 
     @classmethod
-    def from_json(cls, text: str | bytes, source: str = "manifest") -> "ShardManifest":
+    def from_json(cls, text: str | bytes, source: str = "manifest") -> ShardManifest:
         """Parse and validate an untrusted manifest; ``source`` names it in errors."""
         raw = parse_json(text, MAX_MANIFEST_BYTES, source, "a manifest")
         if isinstance(raw, dict) and DIGEST_KEY in raw:

@@ -12,9 +12,9 @@ another thread's.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import Iterator
 
 _spent: ContextVar[dict | None] = ContextVar("tieredckpt_phases", default=None)
 

@@ -76,7 +76,7 @@ class Checked:
             os.close(self.fd)
             self.fd = -1
 
-    def __enter__(self) -> "Checked":
+    def __enter__(self) -> Checked:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -73,7 +73,7 @@ def parse_header(raw: bytes, data_len: int, source: str) -> dict:
             continue
         spans.append(_check_entry(name, entry, data_len, source))
     spans.sort()
-    for (s0, e0, n0), (s1, _, n1) in zip(spans, spans[1:]):
+    for (_, e0, n0), (s1, _, n1) in zip(spans, spans[1:]):
         if s1 < e0:
             raise CorruptCheckpointError(f"{source}: tensors {n0!r} and {n1!r} overlap")
     return header

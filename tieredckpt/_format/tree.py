@@ -18,8 +18,9 @@ decoding only builds dicts, lists, tuples and the tensors it is handed.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 

@@ -60,7 +60,7 @@ class UploadManifest:
         return sum(p.stored_size for f in self.files for p in f.parts)
 
     @classmethod
-    def from_json(cls, text: str | bytes, source: str) -> "UploadManifest":
+    def from_json(cls, text: str | bytes, source: str) -> UploadManifest:
         """Parse and validate an untrusted upload manifest."""
         raw = parse_json(text, MAX_UPLOAD_MANIFEST, source, "an upload manifest")
         if not isinstance(raw, dict) or raw.get("schema_version") != UPLOAD_SCHEMA:

@@ -52,7 +52,7 @@ class StoreConfig:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
     @classmethod
-    def from_dict(cls, raw: dict, source: str = "config") -> "StoreConfig":
+    def from_dict(cls, raw: dict, source: str = "config") -> StoreConfig:
         if not isinstance(raw, dict):
             raise ValueError(f"{source}: the checkpoint section must be a table/mapping")
         raw = _expand(raw, source)
@@ -70,7 +70,7 @@ class StoreConfig:
         return cls(**values)
 
     @classmethod
-    def load(cls, path: str | os.PathLike, section: str = "checkpoint") -> "StoreConfig":
+    def load(cls, path: str | os.PathLike, section: str = "checkpoint") -> StoreConfig:
         """Read ``section`` of a .toml, .yaml/.yml or .json file."""
         path = Path(path)
         text = path.read_text()

@@ -35,7 +35,6 @@ from torch.distributed.checkpoint import Metadata, StorageReader, StorageWriter
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
-    MetadataIndex,
     TensorProperties,
     TensorStorageMetadata,
 )

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import signal
 import threading
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 SAVE_AND_EXIT = signal.SIGTERM
 SAVE_AND_CONTINUE = signal.SIGUSR1

@@ -23,7 +23,8 @@ from __future__ import annotations
 import threading
 import weakref
 from collections import OrderedDict
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -83,7 +84,7 @@ class StepHold:
     def __init__(self) -> None:
         self._idle = threading.Event()
         self._idle.set()
-        self._hooks: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
+        self._hooks: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
     def owned(self, state: Any) -> set[int]:
         """Storage pointers of what the optimizers in ``state`` own (parameters, their state);

@@ -29,8 +29,8 @@ import statistics
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 log = logging.getLogger("tieredckpt.stats")
 MAX_EVENTS_FILE = 16 << 20

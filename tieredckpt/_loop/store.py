@@ -36,12 +36,13 @@ import os
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from .._format import layout, tree
 from .._format.codec import MAX_LEVEL
@@ -53,9 +54,9 @@ from .._format.tree import Staged
 from .._tiers import folder
 from .._tiers.lease import WriterLease
 from .._tiers.local import LocalTier
+from .._tiers.placement import Targets
 from .._tiers.ranks import RankGroup, commit_rank, node_key
 from .._tiers.remote import PART_SIZE, RemoteTier
-from .._tiers.placement import Targets
 from .._tiers.restore import Restorer, load_into
 from .._tiers.retention import Policy
 from .._tiers.runlock import RunLock
@@ -323,7 +324,7 @@ class CheckpointStore(AbstractContextManager):
         return result
 
     @classmethod
-    def from_config(cls, config, section: str = "checkpoint", **overrides) -> "CheckpointStore":
+    def from_config(cls, config, section: str = "checkpoint", **overrides) -> CheckpointStore:
         """A store from a StoreConfig, a dict (the checkpoint section), or a .toml/.yaml/.json path."""
         from .config import StoreConfig
         if isinstance(config, (str, os.PathLike)):

@@ -51,7 +51,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .._format import layout
 from .._format.atomic import commit_dir, fsync_dir, make_scratch_dir, naming_a_full_disk, write_all
 from .._format.checksum import CHUNK, crc32c_update, crc_hex
 from .._format.manifest import ShardEntry, ShardManifest, check_relative_path

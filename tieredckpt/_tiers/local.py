@@ -16,8 +16,9 @@ from __future__ import annotations
 import os
 import shutil
 import time
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 from .._format import layout
 from .._format.atomic import atomic_write_bytes, building, clean_stale, fsync_dir, remove_dir

@@ -18,8 +18,8 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 _NAMES = ("libgomp", "libiomp5", "libomp")
 

@@ -13,7 +13,8 @@ target holds: a DTensor on the target's mesh with the target's placements.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 

@@ -28,9 +28,10 @@ import json
 import os
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from .._format import layout
 from .._format.atomic import atomic_write_bytes, naming_a_full_disk

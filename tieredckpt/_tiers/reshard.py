@@ -14,8 +14,9 @@ Planning is pure and checks that both layouts tile the same range exactly.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -87,7 +88,7 @@ def reshard(states: Sequence[dict], src_spans: Sequence[Span], dst_world_size: i
     keys = _partitioned_keys(states, src_spans)
     replicated = _replicated(states)
     out = []
-    for rank, (_, numel) in enumerate(dst_spans):
+    for _, numel in dst_spans:
         flat = {k: torch.empty(numel, dtype=dtype) for k, dtype in keys.items()}
         out.append({**replicated, FLAT_KEY: flat})
     for c in copies:  # now just move bytes

@@ -18,9 +18,10 @@ from __future__ import annotations
 import logging
 import os
 import warnings
+from collections.abc import Callable
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -115,7 +116,7 @@ class Restorer:
             except OSError as err:
                 log.warning("could not move %s aside: %s", self.local.step_path(step), err)
 
-    def candidates(self, step: int | None, local_steps: list[int], remote_steps: "RemoteSteps"):
+    def candidates(self, step: int | None, local_steps: list[int], remote_steps: RemoteSteps):
         """The steps to try, newest first: just ``step`` when one is named.
 
         One process: the newer of the local newest and the remote's newest (two requests
@@ -146,7 +147,7 @@ class Restorer:
             rest = sorted(local_steps, reverse=True)
         yield from (s for s in rest if s < (newest if newest is not None else float("inf")))
 
-    def _agreed(self, local_steps: list[int], remote_steps: "RemoteSteps") -> list[int]:
+    def _agreed(self, local_steps: list[int], remote_steps: RemoteSteps) -> list[int]:
         """Many ranks: only a step that every rank can restore, newest first."""
         candidates = sorted(set(local_steps) | set(remote_steps.dirs()))
         every = self.ranks.all_gather_json(candidates)

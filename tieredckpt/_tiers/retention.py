@@ -11,8 +11,9 @@ steps to delete. No disk is touched here.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable, Protocol
+from typing import Protocol
 
 
 class Policy(Protocol):

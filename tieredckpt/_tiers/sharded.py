@@ -22,8 +22,9 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from .._format import layout
 from .._format.atomic import atomic_write_bytes, building, fsync_file, naming_a_full_disk, write_all

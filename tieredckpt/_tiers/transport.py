@@ -49,9 +49,10 @@ import secrets
 import stat
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import CancelledError, Future, InvalidStateError
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any, Callable
+from typing import Any
 
 import fsspec
 from fsspec.asyn import AsyncFileSystem

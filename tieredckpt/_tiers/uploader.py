@@ -41,9 +41,9 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
-from typing import Callable
 
 from .._format import layout
 from .._format.atomic import atomic_write_bytes
@@ -105,7 +105,7 @@ class Uploader:
         self._pinned_turn = False
         self._thread = threading.Thread(target=self._run, name="tieredckpt-uploader", daemon=True)
 
-    def start(self) -> "Uploader":
+    def start(self) -> Uploader:
         self._recall()
         self._thread.start()
         return self
