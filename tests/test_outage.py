@@ -44,11 +44,11 @@ def wait_until(predicate, timeout: float, what: str) -> float:
     return time.monotonic() - start
 
 
-@pytest.mark.parametrize("phase_seconds", [8, pytest.param(20, marks=pytest.mark.slow)], ids=["24s", "60s"])
+@pytest.mark.parametrize("phase_seconds", [6, pytest.param(20, marks=pytest.mark.slow)], ids=["18s", "60s"])
 def test_an_outage_of_every_kind_never_blocks_save_nor_reaches_the_loop_and_uploads_catch_up(
         tmp_path, proxied, phase_seconds):
     """503s, then resets, then unanswered requests, each for ``phase_seconds`` (each longer than a
-    request timeout): 24 s by default, the full 60 s with ``-m slow``."""
+    request timeout, 5 s here): 18 s by default, the full 60 s with ``-m slow``."""
     keep = 2
     s = open_store(tmp_path / "run", proxied, keep_local=keep, every=1)
     blocks = {"before": [], "outage": [], "after": []}

@@ -218,9 +218,9 @@ def test_a_restore_killed_mid_download_leaves_nothing_that_outlives_the_next_ope
         assert s.restore()["w"].equal(big["w"])
 
 
-def test_opening_a_store_and_latest_step_cost_the_same_requests_at_10_and_2000_steps(tmp_path, proxied):
+def test_opening_a_store_and_latest_step_cost_the_same_requests_at_10_and_500_steps(tmp_path, proxied):
     counts = {}
-    for n in (10, 2000):
+    for n in (10, 500):
         prefix = f"{proxied.url}-{n}"
         direct = RemoteTier(prefix, proxied.direct)
         with CheckpointStore(tmp_path / f"origin{n}", prefix, remote_options=proxied.direct) as s:
@@ -245,4 +245,4 @@ def test_opening_a_store_and_latest_step_cost_the_same_requests_at_10_and_2000_s
         counts[("restore", n)] = proxied.proxy.total()
     print(counts)
     for kind in ("reader", "writer", "restore"):
-        assert counts[(kind, 10)] == counts[(kind, 2000)], counts
+        assert counts[(kind, 10)] == counts[(kind, 500)], counts
