@@ -14,6 +14,10 @@ another node): tieredckpt verified vs safetensors. Verify: crc32c vs sha256.
 Before every timed run ~2.5x the state's size of fresh memory is touched
 (untimed), so the figures are the warm-memory case (see shared/benchmarking.md).
 Medians of --repeats interleaved runs; each repeat starts with a different method.
+
+``--fresh``: the saves again, each method and repeat in a new process that builds the state
+and saves once with no warm-up (what a long-lived training process meets, whose freed
+buffers went back to the kernel), beside the store's own ``save().wait()``.
 """
 
 from __future__ import annotations
@@ -74,7 +78,13 @@ def main() -> None:
     p.add_argument("--dir", default=None, help="directory on the disk to measure (default: a temp dir)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="the weights' and AdamW moments' dtype")
+    p.add_argument("--fresh", action="store_true", help="saves in fresh processes, no warm-up (see above)")
+    p.add_argument("--one-save", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.one_save:
+        return one_fresh_save(args)
+    if args.fresh:
+        return fresh_saves(args)
 
     state = model_adamw_state(args.params, dtype=getattr(torch, args.dtype))
     nbytes = state_bytes(state)
@@ -118,6 +128,59 @@ def main() -> None:
         print(f"  crc32c verify is {sha / crc:.1f}x faster than sha256 (target >= 4x)")
     finally:
         remove(root)
+
+
+FRESH = ("raw write + fsync (disk limit)", "tieredckpt save_sharded", "tieredckpt, sha256 after the commit",
+         "safetensors save_file + fsync", "CheckpointStore.save().wait()")
+
+
+def one_fresh_save(args) -> None:
+    """In a new process: build the state, save it once by ``args.one_save``, print the seconds."""
+    import json
+    import time
+
+    from tieredckpt import CheckpointStore
+    state = model_adamw_state(args.params, dtype=getattr(torch, args.dtype))
+    root = tempfile.mkdtemp(prefix="bench-fresh-", dir=args.dir)
+    try:
+        savers = make_savers(state, root)
+        if args.one_save == FRESH[-1]:
+            store = CheckpointStore(os.path.join(root, "store"), every=0, keep_local=1)
+            start = time.perf_counter()
+            store.save(1, state).wait()
+            took = time.perf_counter() - start
+            store.close()
+        else:
+            save, _ = savers[args.one_save]
+            start = time.perf_counter()
+            save()
+            took = time.perf_counter() - start
+        print(json.dumps({"method": args.one_save, "seconds": took}))
+    finally:
+        remove(root)
+
+
+def fresh_saves(args) -> None:
+    import json
+    import subprocess
+    import time
+    nbytes = state_bytes(model_adamw_state(args.params, dtype=getattr(torch, args.dtype)))
+    print(f"fresh processes: {nbytes / 1e9:.3f} GB of {args.dtype} state, {args.repeats} interleaved repeats, "
+          "each save in a new process with no warm-up")
+    times = {name: [] for name in FRESH}
+    for rep in range(args.repeats):
+        for name, _ in rotated(dict.fromkeys(FRESH), rep):
+            cmd = [sys.executable, __file__, "--one-save", name, "--params", str(args.params), "--dtype", args.dtype]
+            out = subprocess.run(cmd + (["--dir", args.dir] if args.dir else []), capture_output=True, text=True,
+                                 check=True).stdout
+            times[name].append(json.loads(out.strip().splitlines()[-1])["seconds"])
+            subprocess.run(["sync"], check=True)
+            time.sleep(0.5)
+    report(times, nbytes, "raw write + fsync (disk limit)", "durable save, fresh process", "tieredckpt save_sharded",
+           ">= 0.8x")
+    store = median(times[FRESH[-1]])
+    print(f"  the store's save().wait() is {median(times[FRESH[0]]) / store:.2f}x the raw write (target >= 0.9x) and "
+          f"{median(times['safetensors save_file + fsync']) / store:.2f}x safetensors + fsync (target >= 1.0x)\n")
 
 
 def rotated(methods: dict, rep: int) -> list:
