@@ -7,7 +7,8 @@ comes back with int keys, ``betas`` comes back as a tuple, a module's
 decoding only builds dicts, lists, tuples and the tensors it is handed.
 
     node := null | bool | int | float | str
-          | {"@t": i}                       tensor number i
+          | {"@t": i}                       tensor number i (two leaves may name one tensor:
+                                            tied weights, stored once, restored as one)
           | {"@l": [node, ...]}             list
           | {"@u": [node, ...]}             tuple
           | {"@d": [[key, node], ...]}      dict, key is a JSON scalar
@@ -58,6 +59,7 @@ class _Flattener:
         self.tensors: list[torch.Tensor] = []
         self.names: list[str] = []
         self.used: set[str] = set()
+        self.aliases: dict[tuple, int] = {}  # the same view of the same storage -> its index
 
     def name_for(self, path: tuple) -> str:
         base = "/".join(str(p) for p in path) or "tensor"
@@ -79,8 +81,13 @@ class _Flattener:
                 node["t"] = len(self.tensors) - 1
             return {PIECE_TAG: node}
         if isinstance(obj, torch.Tensor):
+            key = _alias_key(obj)
+            if key is not None and key in self.aliases:  # tied weights: stored once, restored shared
+                return {"@t": self.aliases[key]}
             self.tensors.append(obj)
             self.names.append(self.name_for(path))
+            if key is not None:
+                self.aliases[key] = len(self.tensors) - 1
             return {"@t": len(self.tensors) - 1}
         if isinstance(obj, _SCALARS):
             return _check_scalar(obj)
@@ -102,6 +109,18 @@ class _Flattener:
 
 Fetch = Callable[[int, tuple], Any]
 OnPiece = Callable[[tuple, dict], Any]
+
+
+def _alias_key(t: torch.Tensor) -> tuple | None:
+    """What makes two tensors the same bytes: one storage, viewed at the same offset with the
+    same shape, strides and dtype (a state dict's tied weights are such pairs). None where a
+    storage has no address to compare (empty, meta)."""
+    if t.device.type == "meta" or t.numel() == 0:
+        return None
+    ptr = t.untyped_storage().data_ptr()
+    if ptr == 0:
+        return None
+    return (t.device.type, t.device.index, ptr, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
 
 
 def unflatten(skeleton: Any, tensors: list[torch.Tensor] | Fetch, source: str = "checkpoint", *,
