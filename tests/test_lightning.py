@@ -233,3 +233,34 @@ def test_sigterm_to_one_rank_of_an_fsdp2_run_saves_on_every_rank_and_exits_0(tmp
         assert store.local.manifest(stopped).world_size == 2  # by both ranks, one commit
         store.local.verify(stopped, full=True)
     assert read_pointer(root / "checkpoints" / "last.ckpt") == stopped
+
+
+def test_pointers_written_during_a_save_are_fsynced_once_their_step_commits(tmp_path, monkeypatch):
+    import tieredckpt.lightning as tl
+    written, synced, committed = [], [], []
+    real_write, real_sync, real_save = tl.write_pointer, tl.sync_pointer, CheckpointStore.save
+
+    def write(path, step, durable=True):
+        if not durable:
+            written.append((path.name, step))
+        real_write(path, step, durable)
+
+    def sync(path):
+        synced.append((path.name, set(committed)))
+        real_sync(path)
+
+    def save(self, step, state, **kw):
+        handle = real_save(self, step, state, **kw)
+        handle._future.add_done_callback(lambda _: committed.append(step))  # runs before the pointer's
+        return handle
+
+    monkeypatch.setattr(tl, "write_pointer", write)
+    monkeypatch.setattr(tl, "sync_pointer", sync)
+    monkeypatch.setattr(CheckpointStore, "save", save)
+    run(tmp_path / "root", 1, [TieredCheckpointIO()], [checkpointing()])
+    assert {name for name, _ in written} >= {"last.ckpt", "epoch=0-step=4.ckpt"}
+    assert len(synced) == len(written)
+    for name in {n for n, _ in written}:  # each pointer's fsync ran after its own step committed
+        steps = [step for n, step in written if n == name]
+        seen = [done for n, done in synced if n == name]
+        assert all(step in done for step, done in zip(steps, seen)), (name, steps, seen)

@@ -44,7 +44,8 @@ from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import ModelParallelStrategy
 
-from ._format.atomic import atomic_write_bytes
+from ._format.atomic import atomic_write_bytes, fsync_dir, fsync_file, write_all
+from ._format.layout import scratch_name
 from ._loop.signals import Requests
 from ._loop.store import CheckpointStore, SaveHandle
 from .errors import CheckpointNotFoundError, RemoteNotFoundError, UnsupportedStateError
@@ -150,9 +151,31 @@ def lightning_user(checkpoint: dict[str, Any], path: Path) -> dict:
 
 # ---- pointers -------------------------------------------------------------------------------
 
-def write_pointer(path: Path, step: int) -> None:
-    body = {"format": POINTER_FORMAT, "version": 1, "step": step, "store": STORE_DIR}
-    atomic_write_bytes(path, (json.dumps(body) + "\n").encode())
+def write_pointer(path: Path, step: int, durable: bool = True) -> None:
+    """Replace ``path`` with a pointer to ``step``, atomically. ``durable=False`` leaves the
+    fsyncs to :func:`sync_pointer` (the plugin runs it once the step commits, off the loop: with
+    the step's own write in flight an fsync here waits behind it). Until then a power loss may
+    lose the pointer, never the step; TieredModelCheckpoint writes lost pointers back."""
+    data = (json.dumps({"format": POINTER_FORMAT, "version": 1, "step": step, "store": STORE_DIR}) + "\n").encode()
+    if durable:
+        atomic_write_bytes(path, data)
+        return
+    tmp = path.with_name(scratch_name(path.name))
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        write_all(fd, data)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)  # atomic: Lightning sees the old pointer or the new one
+
+
+def sync_pointer(path: Path) -> None:
+    """Make a pointer written with ``durable=False`` durable (quietly: Lightning may have removed it)."""
+    try:
+        fsync_file(path)
+        fsync_dir(path.parent)
+    except OSError:
+        pass
 
 
 def read_pointer(path: Path) -> int | None:
@@ -215,7 +238,11 @@ class TieredCheckpointIO(CheckpointIO):
         if step not in store.local.steps() and not self._is_pending(step):
             self._handle = store.save(step, plain, user=lightning_user(checkpoint, path))
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_pointer(path, step)
+        if self._is_pending(step):  # made durable once the step commits, on the writer's thread
+            write_pointer(path, step, durable=False)
+            self._handle._future.add_done_callback(lambda _, path=path: sync_pointer(path))
+        else:
+            write_pointer(path, step)
 
     def _is_pending(self, step: int) -> bool:
         return self._handle is not None and self._handle.step == step
