@@ -79,3 +79,19 @@ def test_a_crash_between_commit_and_sha256_is_completed_by_the_next_open(tmp_pat
         store.wait()
         assert store.restore()["step"] == 2
     assert read_manifest(run / "step_000002").shards[0].sha256 == sha256_of(run / "step_000002" / "rank0.bin")
+
+
+def test_the_sha256_after_the_commit_runs_below_the_training_loops_priority(tmp_path):
+    """It shares the cores with the next save's copy on the loop: 10 nice levels below it."""
+    import os
+    import threading
+
+    import torch
+
+    from tieredckpt import CheckpointStore
+    with CheckpointStore(tmp_path / "run") as store:
+        store.save(1, {"w": torch.ones(10)}).wait()
+        store._finisher.submit(lambda: None).result()  # its thread exists
+        threads = [t for t in threading.enumerate() if t.name.startswith("tieredckpt-sha256")]
+        loop = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())  # the loop's own is untouched
+        assert threads and all(os.getpriority(os.PRIO_PROCESS, t.native_id) == min(19, loop + 10) for t in threads)

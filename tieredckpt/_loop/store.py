@@ -99,6 +99,18 @@ class CheckpointInfo:
     upload: str | None = None  # pending / uploading / retrying / failed / None
 
 
+def _background_priority() -> None:
+    """Lower this thread's CPU priority by 10 nice levels (and that of the threads it starts, which inherit it):
+    the sha256 of a committed step must not slow the next save's copy on the training loop,
+    which shares the cores with it. Linux sets nice values per thread; elsewhere, or where
+    not allowed, nothing changes."""
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + 10))
+    except (AttributeError, OSError):
+        pass
+
+
 class SaveHandle:
     """The pending background write of one save."""
 
@@ -233,7 +245,8 @@ class CheckpointStore(AbstractContextManager):
         self.overlap = overlap
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tieredckpt-writer")
         # sha256 of a committed step, recorded off the save's path (sharded.fill_sha256)
-        self._finisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tieredckpt-sha256")
+        self._finisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tieredckpt-sha256",
+                                            initializer=_background_priority)
         self._fill_lock = threading.Lock()
         self._pending: SaveHandle | None = None
         self._closed = False
