@@ -1,6 +1,7 @@
 """Lightning checkpoints: how long the training loop is blocked per checkpoint, and the durable
 save time, with Lightning's TorchCheckpointIO, AsyncCheckpointIO(TorchCheckpointIO()) and
-TieredCheckpointIO, against a copy of the same state into reused buffers (the floor).
+TieredCheckpointIO, against a copy of the same state into reused buffers (the floor), timed
+right before each checkpoint (the machine's memory speed swings 2x between processes).
 
 A LightningModule of about 100M fp32 parameters (a stack of Linear layers) with AdamW
 trains on CPU and checkpoints every step through ModelCheckpoint. Blocked: the time
@@ -57,8 +58,26 @@ def one(kind: str, work: Path, params: float, saves: int) -> dict:
               "tiered": lambda: TieredCheckpointIO(keep_local=2)}[kind]()
     base = TieredModelCheckpoint if kind == "tiered" else ModelCheckpoint
 
+    floors: list[float] = []
+    buffers: list = []
+
+    def copy_floor(trainer) -> float:
+        """The same state copied into buffers that already exist (what staging does at best),
+        timed right before each save so both meet the same machine (its memory speed swings)."""
+        state = [p.detach() for p in trainer.lightning_module.parameters()] + \
+            [t for s in trainer.optimizers[0].state.values() for t in s.values() if torch.is_tensor(t) and t.numel() > 1]
+        if len(buffers) != len(state):
+            buffers[:] = [torch.empty_like(t) for t in state]
+            for b, t in zip(buffers, state):
+                b.copy_(t)
+        start = time.perf_counter()
+        for b, t in zip(buffers, state):
+            b.copy_(t)
+        return time.perf_counter() - start
+
     class Timed(base):
         def _save_checkpoint(self, trainer, filepath):
+            floors.append(copy_floor(trainer))
             start = time.perf_counter()
             super()._save_checkpoint(trainer, filepath)
             blocked.append(time.perf_counter() - start)
@@ -78,20 +97,8 @@ def one(kind: str, work: Path, params: float, saves: int) -> dict:
                         default_root_dir=str(work), accelerator="cpu", logger=False, enable_progress_bar=False,
                         enable_model_summary=False)
     trainer.fit(model, data)
-    # the floor: the same state copied into buffers that already exist (what staging does at best)
-    state = [p.detach() for p in model.parameters()] + \
-        [t for s in trainer.optimizers[0].state.values() for t in s.values() if torch.is_tensor(t) and t.numel() > 1]
-    buffers = [torch.empty_like(t) for t in state]
-    for b, t in zip(buffers, state):
-        b.copy_(t)
-    copies = []
-    for _ in range(3):
-        start = time.perf_counter()
-        for b, t in zip(buffers, state):
-            b.copy_(t)
-        copies.append(time.perf_counter() - start)
-    nbytes = sum(t.numel() * t.element_size() for t in state)
-    return {"kind": kind, "bytes": nbytes, "blocked": blocked[1:], "durable": durable[1:], "copy": min(copies)}
+    nbytes = sum(b.numel() * b.element_size() for b in buffers)
+    return {"kind": kind, "bytes": nbytes, "blocked": blocked[1:], "durable": durable[1:], "copy": floors[1:]}
 
 
 def main() -> None:
@@ -127,7 +134,7 @@ def main() -> None:
         blocked = [statistics.median(r["blocked"]) for r in results[kind]]
         durable = [statistics.median(r["durable"]) for r in results[kind]]
         vs_torch = [b / t for b, t in zip(blocked, torch_blocked)]
-        vs_copy = [statistics.median(r["blocked"]) / r["copy"] for r in results[kind]]
+        vs_copy = [statistics.median(b / c for b, c in zip(r["blocked"], r["copy"])) for r in results[kind]]
         print(f"{label:<34}{_spread(blocked):>16}{_spread(durable):>16}{_spread(vs_torch, 'x'):>18}"
               f"{_spread(vs_copy, 'x'):>17}")
     if args.json:
