@@ -159,7 +159,9 @@ def test_the_next_steps_upload_reuses_the_buffers_of_the_last_and_close_lets_the
         r.upload(tmp_path / "local" / f"step_00000{step}", manifest)
         firsts.append({id(b) for b in taken})
     assert len(taken) >= 30
-    assert firsts[1] <= firsts[0], "the second step allocated buffers of its own"
+    # the second step's parts go into the first's buffers: all in all no more buffers than can be
+    # in use at once (concurrency + 2: the parts in flight, the one encoded, the one waiting), however they interleave
+    assert firsts[0] & firsts[1] and len(firsts[0] | firsts[1]) <= r.concurrency + 2, firsts
     r.close()
     assert not r._frames._free
 

@@ -115,8 +115,8 @@ def _alias_key(t: torch.Tensor) -> tuple | None:
     """What makes two tensors the same bytes: one storage, viewed at the same offset with the
     same shape, strides and dtype (a state dict's tied weights are such pairs). None where a
     storage has no address to compare (empty, meta)."""
-    if t.device.type == "meta" or t.numel() == 0:
-        return None
+    if t.layout != torch.strided or t.device.type == "meta" or t.numel() == 0:
+        return None  # sparse and other layouts have no one storage (and are refused later, by name)
     ptr = t.untyped_storage().data_ptr()
     if ptr == 0:
         return None
