@@ -264,3 +264,11 @@ def test_pointers_written_during_a_save_are_fsynced_once_their_step_commits(tmp_
         steps = [step for n, step in written if n == name]
         seen = [done for n, done in synced if n == name]
         assert all(step in done for step, done in zip(steps, seen)), (name, steps, seen)
+
+
+def test_a_fifo_under_a_checkpoint_name_is_not_ours_and_never_waited_on(tmp_path):
+    fifo = tmp_path / "last.ckpt"
+    os.mkfifo(fifo)
+    assert read_pointer(fifo) is None  # open() of a FIFO would block until a writer came
+    with pytest.raises(UnsupportedStateError, match="not a tieredckpt checkpoint"):
+        TieredCheckpointIO(tmp_path / "store").load_checkpoint(fifo)
