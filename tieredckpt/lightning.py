@@ -35,7 +35,7 @@ import signal
 import stat
 import warnings
 from collections import OrderedDict
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -44,8 +44,7 @@ from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import ModelParallelStrategy
 
-from ._format.atomic import atomic_write_bytes, fsync_dir, fsync_file, write_all
-from ._format.layout import scratch_name
+from ._format.atomic import atomic_write_bytes, fsync_dir, fsync_file
 from ._loop.signals import Requests
 from ._loop.store import CheckpointStore, SaveHandle
 from .errors import CheckpointNotFoundError, RemoteNotFoundError, UnsupportedStateError
@@ -156,17 +155,8 @@ def write_pointer(path: Path, step: int, durable: bool = True) -> None:
     fsyncs to :func:`sync_pointer` (the plugin runs it once the step commits, off the loop: with
     the step's own write in flight an fsync here waits behind it). Until then a power loss may
     lose the pointer, never the step; TieredModelCheckpoint writes lost pointers back."""
-    data = (json.dumps({"format": POINTER_FORMAT, "version": 1, "step": step, "store": STORE_DIR}) + "\n").encode()
-    if durable:
-        atomic_write_bytes(path, data)
-        return
-    tmp = path.with_name(scratch_name(path.name))
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
-        write_all(fd, data)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)  # atomic: Lightning sees the old pointer or the new one
+    body = {"format": POINTER_FORMAT, "version": 1, "step": step, "store": STORE_DIR}
+    atomic_write_bytes(path, (json.dumps(body) + "\n").encode(), durable)
 
 
 def sync_pointer(path: Path) -> None:
@@ -289,44 +279,32 @@ class TieredCheckpointIO(CheckpointIO):
         lists the tiers, and ranks writing the same pointer each replace it atomically.
         ``drop_uncommitted`` (a run about to resume, no save of its own pending): remove pointers
         to steps newer than any tier holds, left by a save killed before its commit."""
-        directory = Path(directory)
+        return self._restore(Path(directory), drop_uncommitted)[0]
+
+    def _restore(self, directory: Path, drop_uncommitted: bool) -> tuple[list[Path], dict[int, dict]]:
+        """restore_pointers, and what each held step's manifest says of it (each read once)."""
         with self._listing(directory) as store:
             infos = store.list() if store is not None else []
             if drop_uncommitted:
                 _drop_newer(directory, infos[-1].step if infos else None)
-            return _write_pointers(store, directory, infos) if infos else []
+            local = store.local.steps() if store is not None else []
+            saved = {info.step: _saved(store, info.step, local) for info in infos}
+            return _write_pointers(directory, saved), saved
 
-    def recorded(self, directory: str | os.PathLike, monitor: str) -> dict[int, tuple[float, str]]:
-        """{step: (score, file name)} of every step any tier holds with a ``monitor`` score recorded."""
-        with self._listing(Path(directory)) as store:
-            found = {}
-            for info in store.list() if store is not None else []:
-                saved = _saved(store, info.step)
-                score, name = (saved.get("scores") or {}).get(monitor), _file_name(saved)
-                if isinstance(score, (int, float)) and name:
-                    found[info.step] = (float(score), name)
-            return found
-
-    @contextmanager
-    def _listing(self, directory: Path):
-        """The open store, or a reader of the tiers (none when there is nothing anywhere yet)."""
+    def _listing(self, directory: Path) -> CheckpointStore | nullcontext:
+        """The open store, or a reader of the tiers (None when there is nothing anywhere yet)."""
         if self.store is not None and not self.store._closed:
-            yield self.store
-        elif self.remote is None and not self._local(directory).is_dir():
-            yield None  # a first run: nothing saved anywhere yet
-        else:
-            with self._reader(directory) as store:
-                yield store
-
-    def _reader(self, directory: Path) -> CheckpointStore | nullcontext:
+            return nullcontext(self.store)
         reading = {k: v for k, v in self.options.items() if k in ("remote_options", "remote_fs")}
         local = self._local(directory)
-        try:
-            return CheckpointStore(local, self.remote, read_only=True, distributed=False, **reading)
-        except RemoteNotFoundError:  # a file:// remote the first save will create: nothing there yet
-            if not local.is_dir():
-                return nullcontext(None)
-            return CheckpointStore(local, None, read_only=True, distributed=False)
+        for remote in (self.remote, None):
+            if remote is None and not local.is_dir():
+                return nullcontext(None)  # a first run: nothing saved anywhere yet
+            try:
+                return CheckpointStore(local, remote, read_only=True, distributed=False, **reading)
+            except RemoteNotFoundError:  # a file:// remote the first save will create: nothing there yet
+                continue
+        return nullcontext(None)
 
 
 def _drop_newer(directory: Path, newest: int | None) -> None:
@@ -339,21 +317,33 @@ def _drop_newer(directory: Path, newest: int | None) -> None:
             path.unlink(missing_ok=True)
 
 
-def _write_pointers(store: CheckpointStore, directory: Path, infos) -> list[Path]:
+def _write_pointers(directory: Path, saved: dict[int, dict]) -> list[Path]:
+    """The pointers ``directory`` lacks, under each step's saved name, and last.ckpt to the newest."""
     written = []
-    for info in infos:
-        name = _file_name(_saved(store, info.step))
+    for step, meta in saved.items():
+        name = _file_name(meta)
         if name and not (directory / name).exists():
             directory.mkdir(parents=True, exist_ok=True)
-            write_pointer(directory / name, info.step)
+            write_pointer(directory / name, step)
             written.append(directory / name)
-    if infos:
+    if saved:
+        newest = max(saved)
         last = directory / f"{ModelCheckpoint.CHECKPOINT_NAME_LAST}{ModelCheckpoint.FILE_EXTENSION}"
-        if not last.exists() or _pointed(last) != infos[-1].step:
+        if not last.exists() or _pointed(last) != newest:
             directory.mkdir(parents=True, exist_ok=True)
-            write_pointer(last, infos[-1].step)  # a rename: replaces a symlink (save_last="link") itself
+            write_pointer(last, newest)  # a rename: replaces a symlink (save_last="link") itself
             written.append(last)
     return written
+
+
+def _scores(saved: dict[int, dict], monitor: str) -> dict[int, tuple[float, str]]:
+    """{step: (score, file name)} of the steps with a ``monitor`` score recorded."""
+    found = {}
+    for step, meta in saved.items():
+        score, name = (meta.get("scores") or {}).get(monitor), _file_name(meta)
+        if isinstance(score, (int, float)) and name:
+            found[step] = (float(score), name)
+    return found
 
 
 def _pointed(path: Path) -> int | None:
@@ -363,10 +353,10 @@ def _pointed(path: Path) -> int | None:
         return None
 
 
-def _saved(store: CheckpointStore, step: int) -> dict:
+def _saved(store: CheckpointStore, step: int, local_steps: list[int]) -> dict:
     """What the manifest of ``step`` says of it as a Lightning checkpoint ({} when nothing)."""
     try:
-        if step in store.local.steps():
+        if step in local_steps:
             user = store.local.manifest(step).user
         else:
             user = store.remote.upload_manifest(step).shard_manifest.user
@@ -418,9 +408,8 @@ class TieredModelCheckpoint(ModelCheckpoint):
         if self.monitor is None:
             raise ValueError("find_best ranks checkpoints by a score: use TieredModelCheckpoint(monitor=...)")
         directory = Path(self._ModelCheckpoint__resolve_ckpt_dir(trainer))
-        plugin = _plugin(trainer)
-        plugin.restore_pointers(directory)
-        scored = plugin.recorded(directory, self.monitor)
+        _, saved = _plugin(trainer)._restore(directory, drop_uncommitted=False)
+        scored = _scores(saved, self.monitor)
         if not scored:
             raise CheckpointNotFoundError(f"{directory}: no checkpoint on any tier has a {self.monitor!r} score")
         pick = min if self.mode == "min" else max

@@ -48,17 +48,19 @@ def write_all(fd: int, data) -> None:
         view = view[written:]
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+def atomic_write_bytes(path: str | os.PathLike, data: bytes, durable: bool = True) -> None:
     """Replace ``path`` with ``data``: write a sibling temp, fsync, rename, fsync dir."""
-    atomic_write_chunks(path, [data])
+    atomic_write_chunks(path, [data], durable)
 
 
-def atomic_write_chunks(path: str | os.PathLike, chunks) -> None:
+def atomic_write_chunks(path: str | os.PathLike, chunks, durable: bool = True) -> None:
     """Replace ``path`` with the concatenation of ``chunks`` (buffers), durably and atomically.
 
     Order: a sibling temp file (same directory, so the rename is atomic) -> every chunk
     written -> fsync -> rename over ``path`` -> fsync the directory. Readers see the old
     file or the complete new one; a crash leaves at most a temp file with a dead pid.
+    ``durable=False`` skips both fsyncs (still atomic; a power loss may lose the new file):
+    for a caller that makes it durable later, off its hot path (fsync_file + fsync_dir).
     """
     path = Path(path)
     tmp = path.with_name(layout.scratch_name(path.name))
@@ -66,7 +68,8 @@ def atomic_write_chunks(path: str | os.PathLike, chunks) -> None:
     try:
         for chunk in chunks:
             write_all(fd, chunk)
-        os.fsync(fd)
+        if durable:
+            os.fsync(fd)
     except BaseException:
         os.close(fd)
         _unlink_quietly(tmp)
@@ -77,7 +80,8 @@ def atomic_write_chunks(path: str | os.PathLike, chunks) -> None:
     except BaseException:
         _unlink_quietly(tmp)
         raise
-    fsync_dir(path.parent)  # make the rename itself durable
+    if durable:
+        fsync_dir(path.parent)  # make the rename itself durable
 
 
 @contextmanager
