@@ -98,6 +98,28 @@ def test_enospc_with_nothing_evictable_fails_clearly_and_loses_nothing(tmp_path,
         check_loadable(store, run)
 
 
+def test_a_step_rotated_away_while_its_sha256_is_computed_gives_its_blocks_back_at_once(tmpfs, monkeypatch):
+    """The sha256 fill of a committed step runs behind the saves (at a lower priority, so on a
+    busy machine well behind). Its mapping of a step rotation deletes keeps the blocks allocated:
+    the fill must stop within a chunk and the save wait for it, or the disk sized for keep_local
+    steps is full. Here each fill takes ~1 s (64 KB chunks, 60 ms each) and saves ~10 ms."""
+    import tieredckpt._format.checksum as checksum
+    monkeypatch.setattr(checksum, "CHUNK", 64 << 10)
+    real_update = checksum.StreamDigest.update
+
+    def slow_update(self, chunk):
+        if self._sha is not None:  # the fill's reads; the commit's crc32c-only writes run at speed
+            time.sleep(0.06)
+        real_update(self, chunk)
+    monkeypatch.setattr(checksum.StreamDigest, "update", slow_update)
+    run = tmpfs(int(3.6 * MB)) / "run"
+    with CheckpointStore(run, keep_local=3) as store:
+        for step in range(1, 9):
+            store.save(step, state(step)).wait()  # a DiskFullError here without the fix
+            assert committed(run)[-1] == step
+        assert store.stats()["save_failures"] == 0
+    check_loadable(CheckpointStore(run, read_only=True), run)
+
 def test_with_the_remote_down_only_superseded_steps_make_room_and_saving_resumes_when_it_returns(tmpfs, proxied):
     """uploads="all": nothing is superseded, so with the remote down no local step may go; the
     save fails clearly (on_save_error="warn": the loop goes on), and once the remote has the

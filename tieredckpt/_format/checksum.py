@@ -14,6 +14,7 @@ import mmap
 import os
 import queue
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import crc32c as _crc32c
@@ -147,14 +148,25 @@ def map_file(path: str | os.PathLike, size: int):
     return torch.from_file(str(path), shared=False, size=size, dtype=torch.uint8)
 
 
-def digest_view(view: memoryview, sha256: bool) -> Digest:
+class DigestStopped(Exception):
+    """A digest's ``stop`` callable asked it to give up (the file it read is going away)."""
+
+
+def digest_view(view: memoryview, sha256: bool, stop: Callable[[], bool] | None = None) -> Digest:
     """Digest of a buffer: crc32c alone on two threads at once; with sha256, in chunks
-    beside it (sha256 is the slower one and cannot be split)."""
+    beside it (sha256 is the slower one and cannot be split). ``stop`` is asked before
+    each chunk; when it says True, DigestStopped is raised and nothing more is read."""
     if not sha256:
         return Digest(len(view), crc_hex(crc32c_parallel(view)), None)
     digest = StreamDigest(sha256=sha256)
-    for start in range(0, len(view), CHUNK):
-        digest.update(view[start:start + CHUNK])
+    try:
+        for start in range(0, len(view), CHUNK):
+            if stop is not None and stop():
+                raise DigestStopped
+            digest.update(view[start:start + CHUNK])
+    except BaseException:
+        digest.abort()  # its threads let go of the chunks (and so of the mapping) before we return
+        raise
     return digest.finish()
 
 
@@ -164,14 +176,14 @@ def digest_buffer(buf, sha256: bool) -> Digest:
     return digest_view(byte_view(buf), sha256)
 
 
-def digest_fd(fd: int, size: int, sha256: bool) -> Digest:
+def digest_fd(fd: int, size: int, sha256: bool, stop: Callable[[], bool] | None = None) -> Digest:
     """Digest of an open file, read through a read-only mapping (no copies, no torch)."""
     if size == 0:
         return digest_view(memoryview(b""), sha256)
     with mmap.mmap(fd, size, prot=mmap.PROT_READ) as mapped:
         view = memoryview(mapped)
         try:
-            return digest_view(view, sha256)
+            return digest_view(view, sha256, stop)
         finally:
             view.release()
 

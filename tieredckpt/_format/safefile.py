@@ -55,11 +55,12 @@ class Checked:
         except RuntimeError as exc:
             raise UnreadableFileError(f"{self.path}: cannot be mapped ({exc})") from None
 
-    def digest(self, sha256: bool):
-        """size, crc32c (and sha256) of the file, through a read-only mapping (no torch)."""
+    def digest(self, sha256: bool, stop=None):
+        """size, crc32c (and sha256) of the file, through a read-only mapping (no torch);
+        ``stop``: see checksum.digest_view."""
         from .checksum import digest_fd
         self.sequential()
-        return digest_fd(self.fd, self.size, sha256)
+        return digest_fd(self.fd, self.size, sha256, stop)
 
     def sequential(self) -> None:
         """Tell the kernel the whole file is read front to back: a larger readahead window.

@@ -248,6 +248,7 @@ class CheckpointStore(AbstractContextManager):
         self._finisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tieredckpt-sha256",
                                             initializer=_background_priority)
         self._fill_lock = threading.Lock()
+        self._filling: int | None = None  # the step the sha256 fill reads now (under _fill_lock)
         self._pending: SaveHandle | None = None
         self._closed = False
         self._rotate_lock = threading.Lock()
@@ -552,8 +553,10 @@ class CheckpointStore(AbstractContextManager):
         need = None if nbytes is None else nbytes + max(1 << 20, nbytes // 50)
         if need is not None and self.local.free_bytes() >= need:
             return []  # the usual case: one statvfs, no listing of steps or of the uploader's state
+        self._await_fill_of_removed()  # a rotated step still being hashed holds its blocks
         with self._rotate_lock:
             evicted = self.local.make_room(need, self.keep_local - 1, self._protected())
+        self._await_fill_of_removed()
         if evicted:
             log.info("step %d: rotated out step(s) %s before writing it, to make room", step, evicted)
             if not self._room_warned:
@@ -576,16 +579,28 @@ class CheckpointStore(AbstractContextManager):
         before the remote's commit marker embeds the manifest (``quiet=False``: a shard whose
         crc32c fails is an upload error, so no remote copy is committed from it)."""
         with self._fill_lock:
+            self._filling = step
             try:
                 fill_sha256(self.local.step_path(step))
             except CheckpointNotFoundError:
-                pass  # rotated away meanwhile
+                pass  # rotated away meanwhile (the read stops within a chunk)
             except (TieredCkptError, OSError) as exc:
                 if not self.local.step_path(step).exists():
                     return  # rotated away while it was read
                 if not quiet:
                     raise
                 log.warning("step %d: its sha256 could not be recorded: %s", step, exc)
+            finally:
+                self._filling = None
+
+    def _await_fill_of_removed(self) -> None:
+        """Wait while the sha256 fill still reads a step rotation has removed: its mapping keeps
+        the deleted shards' blocks allocated until it ends, and the fill notices the removal
+        within one chunk (fill_sha256). The fill of a kept step is not waited for."""
+        filling = self._filling
+        if filling is not None and not self.local.step_path(filling).exists():
+            with self._fill_lock:
+                pass
 
     def _on_uploaded(self, step: int) -> None:
         """The uploader's word that ``step`` is on the remote (-1: it read what the remote holds)."""

@@ -28,6 +28,7 @@ from typing import Any
 
 from .._format import layout
 from .._format.atomic import atomic_write_bytes, building, fsync_file, naming_a_full_disk, write_all
+from .._format.checksum import DigestStopped
 from .._format.manifest import MAX_MANIFEST_BYTES, MAX_USER_DEPTH, ShardEntry, ShardManifest, json_depth
 from .._format.safefile import Checked, open_checked, read_small
 from ..errors import (
@@ -127,15 +128,26 @@ def fill_sha256(dir: str | os.PathLike) -> ShardManifest | None:
     Each such shard is read once, computing crc32c and sha256 together; a shard whose
     crc32c no longer matches is refused (its corruption is never blessed with a sha256).
     The manifest is then replaced atomically (sibling temp, fsync, rename, fsync dir):
-    a crash leaves the old manifest -- valid, with crc32c, its sha256 still to fill."""
+    a crash leaves the old manifest -- valid, with crc32c, its sha256 still to fill.
+
+    A step rotated away meanwhile (its directory renamed to scratch) stops the read within
+    one chunk, raising CheckpointNotFoundError: an open mapping of a deleted shard would
+    keep its blocks allocated, and a disk sized for ``keep_local`` steps needs them back."""
     manifest = read_manifest(dir)
     if all(e.sha256 for e in manifest.shards):
         return None
+    gone = Path(dir) / layout.MANIFEST
+
+    def removed() -> bool:
+        return not gone.exists()
     entries = []
     for entry in manifest.shards:
         if not entry.sha256:
-            with open_shard(dir, entry) as f:
-                got = f.digest(sha256=True)
+            try:
+                with open_shard(dir, entry) as f:
+                    got = f.digest(sha256=True, stop=removed)
+            except DigestStopped:
+                raise CheckpointNotFoundError(f"{dir}: rotated away while its sha256 was computed") from None
             if got.crc32c != entry.crc32c:
                 raise ChecksumMismatchError(f"{f.path}: crc32c {got.crc32c} does not match the manifest's "
                                             f"{entry.crc32c} (corrupt); its sha256 is not recorded")
