@@ -106,6 +106,31 @@ def test_steps_the_remote_policy_keeps_are_never_superseded_during_an_outage(tmp
         assert again.local.steps() == [6, 7]
 
 
+
+@pytest.mark.parametrize("uploads", ["newest", "all"])
+def test_restarts_during_an_outage_never_pin_the_previous_runs_unsent_steps(tmp_path, proxied, uploads):
+    """The remote down from the first open, three relaunches: with uploads="newest" rotation keeps
+    keep_local steps plus the milestone KeepEvery(4) pins, as in one process; with "all" every
+    unsent step stays (each is owed). Then the remote returns and gets what each mode owes it."""
+    proxied.proxy.set("dead")
+    step = 0
+    for _ in range(3):
+        s = open_store(tmp_path / "run", proxied, keep_local=2, keep_remote=KeepEvery(4), uploads=uploads,
+                       request_timeout=2.0, max_pending_uploads=None)
+        for _ in range(3):
+            step += 1
+            s.save(step, state(step, 1000)).wait()
+        held = s.local.steps()
+        if uploads == "newest":
+            assert held == sorted({4, 8} & set(range(1, step - 1)) | {step - 1, step}), held
+        else:
+            assert held == list(range(1, step + 1)), held
+        s.close(drain_uploads=False)
+    proxied.proxy.clear()
+    with open_store(tmp_path / "run", proxied, keep_local=2, keep_remote=KeepEvery(4), uploads=uploads) as s:
+        assert s.wait(uploads=True, timeout=60)
+    assert proxied.remote().steps() == [4, 8, 9]  # KeepEvery(4) and the newest
+
 def test_other_stores_and_the_cli_on_the_same_remote_never_delete_the_writers_uploads(tmp_path, proxied):
     steps, errors = 12, []
     writer = open_store(tmp_path / "run", proxied, keep_local=2, uploads="all", max_pending_uploads=None)

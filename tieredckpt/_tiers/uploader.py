@@ -161,9 +161,10 @@ class Uploader:
         The newest uploaded step stays until the remote was seen holding it within the
         last two audit intervals (so a wiped remote never costs the last good copy)."""
         with self._cond:
+            owed = self._pending | ({self._current} - {None})
             if not self._known:  # the remote not asked yet: what was superseded, and what the last
                 believed = self._believed - {max(self._believed, default=None)}  # run saw uploaded
-                return (self.superseded | believed | self._downloaded) - self._pending - {self._current}
+                return (self.superseded | believed | self._downloaded | self._lagging(owed)) - owed
             ok = (self.uploaded | self.superseded | self.retired) - self._pending - {self._current}
             if self.uploaded:
                 newest = max(self.uploaded)
@@ -172,6 +173,16 @@ class Uploader:
                 if not fresh:
                     ok.discard(newest)
             return ok
+
+    def _lagging(self, owed: set[int]) -> set[int]:
+        """uploads="newest", the remote not reached yet: the local steps older than one still owed
+        that no remote policy pins. The first round supersedes them anyway (whether or not the
+        remote holds them, it never will from us), so rotation need not wait for the remote:
+        without this, each restart during an outage pinned the previous run's unsent steps."""
+        if self.mode != "newest" or not owed:
+            return set()
+        top = max(owed)
+        return {s for s in self.local.steps() if s < top and not pins(self.keep_remote, s)}
 
     def wait_for_room(self) -> None:
         """``mode="all"``: block while more than ``max_pending`` steps await upload. Never raises."""
