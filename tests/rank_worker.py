@@ -56,7 +56,7 @@ def main() -> None:
                 real_pipe = fs.pipe_file
 
                 def refuse(path, *a, **kw):
-                    if "/rank" in path:
+                    if "/objects/" in path:
                         raise PermissionError("Access Denied")
                     return real_pipe(path, *a, **kw)
                 fs.pipe_file = refuse

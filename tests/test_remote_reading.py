@@ -141,8 +141,8 @@ def test_a_part_claiming_1000x_its_stored_size_is_decoded_in_bounded_memory(tmp_
     assert len(bomb) * 1000 < raw_size
     parts = []
     for i in range(4):
-        name = f"rank0.bin.p{i:05d}"
-        r.fs.pipe_file(r.path("step_000001", name), bomb)
+        name = f"objects/{crc_hex(crc32c_update(zeros))}-{raw_size}-{i:016x}"
+        r.fs.pipe_file(r.path(name), bomb)
         parts.append({"path": name, "offset": i * raw_size, "raw_size": raw_size, "stored_size": len(bomb),
                       "raw_crc32c": crc_hex(crc32c_update(zeros)), "stored_crc32c": crc_hex(crc32c_update(bomb))})
     upload["files"][0].update(size=4 * raw_size, parts=parts)

@@ -24,6 +24,11 @@ def uploaded(tmp_path, proxied, n=400_000):
     return path, upload
 
 
+def part(upload, i: int) -> str:
+    """The object name of the shard's i-th part (what a request for it carries in its URL)."""
+    return upload.files[0].parts[i].path.rsplit("/", 1)[-1]
+
+
 def fetch(tmp_path, proxied, upload, name="fetched"):
     dest = tmp_path / name
     dest.mkdir()
@@ -34,23 +39,23 @@ def fetch(tmp_path, proxied, upload, name="fetched"):
 
 def test_a_body_cut_off_half_way_is_fetched_again_from_its_start(tmp_path, proxied):
     path, upload = uploaded(tmp_path, proxied)
-    proxied.proxy.set("truncate", methods=["GET"], path=".p00001", times=1)
+    proxied.proxy.set("truncate", methods=["GET"], path=part(upload, 1), times=1)
     assert fetch(tmp_path, proxied, upload) == (path / "rank0.bin").read_bytes()
-    assert len(proxied.proxy.requests("GET", ".p00001")) == 2  # the cut one, then the whole one
+    assert len(proxied.proxy.requests("GET", part(upload, 1))) == 2  # the cut one, then the whole one
 
 
 def test_a_body_cut_off_every_time_is_a_transient_error_not_a_hang(tmp_path, proxied):
     _, upload = uploaded(tmp_path, proxied)
-    proxied.proxy.set("truncate", methods=["GET"], path=".p00002")
+    proxied.proxy.set("truncate", methods=["GET"], path=part(upload, 2))
     with pytest.raises(RemoteError) as err:
         fetch(tmp_path, proxied, upload)
-    assert err.value.transient and ".p00002" in str(err.value)
+    assert err.value.transient and part(upload, 2) in str(err.value)
 
 
 def test_a_flipped_byte_in_a_streamed_part_is_named_as_corrupt(tmp_path, proxied):
     _, upload = uploaded(tmp_path, proxied)
-    proxied.proxy.set("flip", methods=["GET"], path=".p00003", times=1)
-    with pytest.raises(CorruptCheckpointError, match=r"rank0.bin.p00003.*corrupt remote object"):
+    proxied.proxy.set("flip", methods=["GET"], path=part(upload, 3), times=1)
+    with pytest.raises(CorruptCheckpointError, match=part(upload, 3) + ".*corrupt remote object"):
         fetch(tmp_path, proxied, upload)
 
 
@@ -58,7 +63,7 @@ def test_an_object_larger_than_its_manifest_declares_is_refused(tmp_path, proxie
     _, upload = uploaded(tmp_path, proxied)
     direct = RemoteTier(proxied.url, proxied.direct)
     part = upload.files[0].parts[1]
-    rel = direct.path("step_000009", part.path)
+    rel = direct.path(upload.part_rel(part))
     direct.fs.pipe_file(rel, direct.fs.cat_file(rel) + b"0123456789")  # planted: 10 bytes more
     fd = os.open(tmp_path / "scratch", os.O_RDWR | os.O_CREAT)
     try:

@@ -8,7 +8,7 @@
     tieredckpt convert SRC DST [--step N]     flat .bin <-> checkpoint
     tieredckpt reshard RUN_DIR --world-size M [--step N] [--to NEW_RUN]
     tieredckpt plot RUN_DIR [-o PNG]          loss history with checkpoints and pivots
-    tieredckpt gc REMOTE_URL [--grace S] [--force]   delete abandoned half-uploads
+    tieredckpt gc REMOTE_URL [--grace S] [--force]   delete abandoned half-uploads and objects no step names
 
 Exit codes: 0 fine; 1 an error, or a problem found (a bad checkpoint, a failed
 upload); 2 bad usage; 130 interrupted. Errors print one line naming the file or
@@ -134,10 +134,10 @@ def _parser() -> argparse.ArgumentParser:
     plot.add_argument("-o", "--out", help="output file (default RUN_DIR/loss.png)")
     plot.set_defaults(func=cmd_plot)
 
-    gc = sub.add_parser("gc", help="delete half-uploaded steps (no upload.json) that nobody is finishing")
+    gc = sub.add_parser("gc", help="delete half-uploaded steps (no upload.json) nobody is finishing, and objects no committed step names")
     gc.add_argument("remote_url")
     gc.add_argument("--grace", type=float, default=3600.0,
-                    help="only steps whose newest object is older than this many seconds (default 3600)")
+                    help="only what was written longer ago than this many seconds (default 3600)")
     gc.add_argument("--force", action="store_true", help="take the remote over from a live writer first (it stops writing there)")
     gc.add_argument("--dry-run", action="store_true", help="only list what would be deleted")
     _remote_args(gc, None)
@@ -274,6 +274,8 @@ def _ls_row(tier, remote, step, local: bool, on_remote: bool, recorded: dict, ar
         state = entry.get("state", "pending")
         status += f"; upload {state}" + (f": {entry['error']}" if entry.get("error") else "")
         bad += state == "failed"
+    if committed and upload.schema_version >= 2:
+        status += f"; sent {_size(upload.sent_size)} of {_size(upload.stored_size)} referenced"
     if writer:
         status += f"; committed by {writer.get('host')} pid {writer.get('pid')} ({writer.get('token', '')[:8]})"
     where = "+".join(name for name, has in (("local", local), ("remote", committed)) if has) or "remote"
@@ -479,7 +481,16 @@ def _gc(remote, lease, args) -> int:
         if not args.dry_run:
             lease.fence()
             remote.delete(step)
-    if not doomed:
+    orphans, why = remote.orphan_objects(args.grace, now)
+    if why:
+        print(f"{remote.display_url}: objects kept: {why}")
+    if orphans:
+        print(f"{len(orphans)} object(s) no committed step names, written over --grace ago: "
+              + ("would delete" if args.dry_run else "deleting") + f" (first: {orphans[0]})")
+        if not args.dry_run:
+            lease.fence()  # only the owner deletes; a step committed meanwhile would have fenced us out
+            remote.delete_objects(orphans)
+    if not doomed and not orphans:
         print(f"{remote.display_url}: nothing to clean up")
     return 0
 

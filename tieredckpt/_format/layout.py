@@ -14,8 +14,10 @@
       quarantine/step_000300.<unix>/  a refused copy, moved aside (never deleted by us)
 
     REMOTE_ROOT/
-      step_000100/rank0.bin.p00000 ...   parts of each shard
-      step_000100/upload.json            written last: the remote commit marker
+      objects/<crc32c>-<size>-<hex16>    one part of a shard, immutable once written: steps whose
+                                         bytes there are unchanged reference it instead of re-sending
+      step_000100/upload.json            written last: the remote commit marker, naming its objects
+      step_000100/rank0.bin.p00000 ...   parts of a step uploaded before objects/ (still read)
       latest                             newest uploaded step (a hint, confirmed on use)
       writer.json                        the owning writer's lease and heartbeat
       run/.loss.json ...                 the side files (only the names above)
@@ -82,6 +84,22 @@ def scratch_owner_pid(name: str) -> int | None:
     """The pid that created a scratch entry, or None if ``name`` is not scratch."""
     match = _SCRATCH_RE.match(name)
     return int(match.group(1)) if match else None
+
+
+OBJECTS = "objects"
+_OBJECT_RE = re.compile(r"^objects/([0-9a-f]{8})-(\d{1,19})-[0-9a-f]{16}$")
+
+
+def object_name(raw_crc32c: str, raw_size: int) -> str:
+    """A new remote object's path for a part with these raw bytes. The random suffix makes every
+    name written once only: an object is never overwritten, whoever else sends the same bytes."""
+    return f"{OBJECTS}/{raw_crc32c}-{raw_size}-{secrets.token_hex(8)}"
+
+
+def parse_object(path: str) -> tuple[str, int] | None:
+    """(raw crc32c, raw size) an object's name declares, or None if it is not an object path."""
+    match = _OBJECT_RE.match(path) if isinstance(path, str) else None
+    return (match.group(1), int(match.group(2))) if match else None
 
 
 def part_name(shard: str, index: int) -> str:

@@ -39,12 +39,18 @@ FLOAT_WIDTHS = {"F16": 2, "BF16": 2, "F32": 4, "F64": 8}  # dtypes whose bytes s
 def float_spans(path: str | os.PathLike) -> list[tuple[int, int, int]]:
     """(start, end, element width) in the file of every floating-point tensor, in order:
     what the zstd-dtype codec splits into byte planes. Everything else is bytes."""
+    return sorted((start, end, FLOAT_WIDTHS[dtype]) for start, end, dtype in tensor_spans(path)
+                  if dtype in FLOAT_WIDTHS)
+
+
+def tensor_spans(path: str | os.PathLike) -> list[tuple[int, int, str]]:
+    """(start, end, dtype) in the file of every non-empty tensor of a safetensors-format file, in order."""
     path = Path(path)
     with open_checked(path.parent, path.name, 1 << 62, "shard") as f:
         n = header_length(os.pread(f.fd, 8, 0), f.size, str(path))
         header = parse_header(os.pread(f.fd, n, 8), f.size - 8 - n, str(path))
-    spans = [(8 + n + e["data_offsets"][0], 8 + n + e["data_offsets"][1], FLOAT_WIDTHS[e["dtype"]])
-             for k, e in header.items() if k != "__metadata__" and e["dtype"] in FLOAT_WIDTHS]
+    spans = [(8 + n + e["data_offsets"][0], 8 + n + e["data_offsets"][1], e["dtype"])
+             for k, e in header.items() if k != "__metadata__"]
     return sorted(s for s in spans if s[1] > s[0])
 
 

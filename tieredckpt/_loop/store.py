@@ -849,7 +849,10 @@ class CheckpointStore(AbstractContextManager):
         return self._stats.summary()
 
     def upload_status(self) -> dict:
-        """How far the remote lags: newest local and uploaded steps, what waits, the last error."""
+        """How far the remote lags: newest local and uploaded steps, what waits, the last error;
+        and per step this process uploaded (``"steps"``), its state, ``bytes_sent`` (what the upload
+        wrote) and ``bytes_referenced`` (what the step is made of on the remote: the difference is
+        objects of earlier steps whose bytes did not change)."""
         newest_local = self.local.latest_step()
         if self.uploader is None:
             return {"remote": self.remote.display_url if self.remote else None, "newest_local": newest_local,
@@ -859,6 +862,8 @@ class CheckpointStore(AbstractContextManager):
         summary.update(self._save_failures())
         uploaded = summary["newest_uploaded"]
         summary["lag_steps"] = None if newest_local is None else newest_local - (uploaded if uploaded is not None else 0)
+        summary["steps"] = {step: {k: entry[k] for k in ("state", "bytes_sent", "bytes_referenced", "upload_s")
+                                   if k in entry} for step, entry in self.uploader.status().items()}
         return summary
 
     def _save_failures(self) -> dict:

@@ -16,7 +16,7 @@ class FramePool:
     """At most as many buffers as parts are encoded or in flight at once. ``size`` is a full
     part's buffer: a part of more than half of it gets one (so the slightly smaller last part of
     one step and the full parts of the next share buffers); a smaller part, as the only part of a
-    small checkpoint is, gets a buffer of its own size, so a 10 MB model holds 11 MB, not 65 MiB."""
+    small checkpoint is, gets one of its size class (see take), so a 10 MB model holds 16 MB, not 65 MiB."""
 
     def __init__(self, size: int) -> None:
         self.size = size
@@ -25,8 +25,9 @@ class FramePool:
 
     def take(self, need: int) -> bytearray:
         """A buffer of at least ``need`` bytes: a returned one if it is large enough, else a new one
-        (one of ``size`` for a part of more than half of it, else what it needs with 1/16 to spare,
-        for the next part a little larger). A returned buffer too small is let go then, so the pool
+        (one of ``size`` for a part of more than half of it, else the power of two at or above
+        what it needs, at least 1 MiB: parts cut at tensor edges vary in size, and buffers of a few
+        classes serve the next ones instead of each slightly larger part replacing one). A returned buffer too small is let go then, so the pool
         never holds more buffers than were in use at once."""
         with self._lock:
             for i, buf in enumerate(self._free):
@@ -34,7 +35,9 @@ class FramePool:
                     return self._free.pop(i)
             if self._free:
                 self._free.pop()
-        return bytearray(self.size if self.size // 2 < need <= self.size else need + need // 16)
+        if need > self.size:  # beyond a part (a download's pool sizes to each part): 1/16 to spare
+            return bytearray(need + need // 16)
+        return bytearray(self.size if need > self.size // 2 else min(self.size, _size_class(need)))
 
     def give(self, buf: bytearray) -> None:
         """``buf`` is no longer read by anything: the next part may be written into it."""
@@ -45,3 +48,7 @@ class FramePool:
         """Let every buffer go (the memory goes back once nothing else holds it)."""
         with self._lock:
             self._free.clear()
+
+
+def _size_class(need: int) -> int:
+    return max(1 << 20, 1 << max(need - 1, 0).bit_length())

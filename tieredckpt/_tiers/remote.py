@@ -2,17 +2,27 @@
 
 Object stores have no rename, so the commit marker is the upload manifest:
 
-    ROOT/step_000100/rank0.bin.p00000 ...   parts of each shard, 64 MiB raw each,
-                                           encoded by the codec (zstd-dtype, zstd-planes, zstd, raw)
-    ROOT/step_000100/upload.json            written LAST: without it the step does not exist
+    ROOT/objects/<crc32c>-<size>-<hex16>    the parts of every step's shards, at most 64 MiB raw,
+                                           cut at tensor edges (objects.py), encoded by the codec
+                                           (zstd-dtype, zstd-planes, zstd, raw); never overwritten
+    ROOT/step_000100/upload.json            written LAST: without it the step does not exist; it
+                                           names the objects the step is made of
+    ROOT/step_000100/rank0.bin.p00000 ...   the parts of a step uploaded before objects/ (read only)
     ROOT/latest                             newest uploaded step, written after upload.json
     ROOT/run/.loss.json ...                 the run directory's side files
 
-Upload order: side files -> every part -> a listing confirming every part ->
-upload.json -> latest. Parts are encoded on the calling thread while a small
-pool sends the previous ones. Each part records the checksum of its stored and
-of its raw bytes; the embedded checkpoint manifest carries each file's crc32c
-and sha256.
+Upload order: side files -> every part not already on the remote -> a listing
+confirming every object the step names -> upload.json -> latest. A part whose
+bytes an object of a kept step holds (compared byte for byte with that step's
+local copy) is referenced, not sent. Parts are encoded on the calling thread
+while a small pool sends the previous ones. Each part records the checksum of
+its stored and of its raw bytes; the embedded checkpoint manifest carries each
+file's crc32c and sha256.
+
+Deletion keeps every reference whole: a step's marker goes first (the step stops
+existing), then the objects no other committed step names, then its directory. A
+crash in between leaves unreferenced objects, which ``orphan_objects`` finds for
+gc; never a marker naming a missing object. Only the lease owner deletes.
 
 Download: parts are fetched in parallel into files of a scratch directory the
 caller owns (the local tier commits it); every size read from the remote is
@@ -38,7 +48,7 @@ from .._format.atomic import atomic_write_bytes, naming_a_full_disk
 from .._format.checksum import crc32c_update, crc_hex, map_file
 from .._format.lossfile import merge_loss
 from .._format.manifest import ShardManifest
-from .._format.shardheader import float_spans
+from .._format.shardheader import FLOAT_WIDTHS, tensor_spans
 from .._format.uploadmanifest import MAX_UPLOAD_MANIFEST, PartEntry, UploadedFile, UploadManifest
 from ..errors import (
     CheckpointNotFoundError,
@@ -51,6 +61,7 @@ from ..errors import (
     TieredCkptError,
 )
 from .framepool import FramePool
+from .objects import Reuse, part_bounds
 from .onethread import one_thread
 from .sharded import shard_path
 from .transport import REQUEST_TIMEOUT, Transport
@@ -72,6 +83,7 @@ class RemoteTier:
         # would fault in as many as were in flight. Held between uploads: at most concurrency + 2
         # buffers of a part (390 MiB at the defaults), only once something compressed was sent.
         self._frames = FramePool(part_size + (1 << 20))
+        self._refs: dict[int, set[str]] = {}  # objects of committed steps (markers are create-only)
 
     @property
     def fs(self):
@@ -154,21 +166,22 @@ class RemoteTier:
     # ---- upload -------------------------------------------------------------------------
 
     def upload(self, local_dir: Path, manifest: ShardManifest, codec: str = "zstd-dtype", level: int = 1,
-               done: dict | None = None, progress: Callable[[int], None] | None = None) -> UploadManifest:
+               done: dict | None = None, progress: Callable[[int], None] | None = None,
+               reuse: Reuse | None = None) -> UploadManifest:
         """Send a committed local checkpoint; upload.json goes last."""
-        files = self.send_files(local_dir, manifest, manifest.shards, codec, level, done, progress)
+        files = self.send_files(local_dir, manifest, manifest.shards, codec, level, done, progress, reuse)
         return self.commit_upload(manifest, codec, files)
 
     def send_files(self, local_dir: Path, manifest: ShardManifest, shards, codec: str, level: int = 1,
-                   done: dict | None = None, progress=None) -> list[UploadedFile]:
-        """Send the parts of ``shards`` (entries of ``manifest``). ``done`` carries parts already
-        sent (by remote path) across attempts, so a retry resumes instead of restarting."""
-        step_dir = layout.step_dir_name(manifest.step)
+                   done: dict | None = None, progress=None, reuse: Reuse | None = None) -> list[UploadedFile]:
+        """Send the parts of ``shards`` (entries of ``manifest``) as objects; a part ``reuse`` finds on
+        the remote already is referenced instead. ``done`` carries parts already sent (by shard and
+        offset) across attempts, so a retry resumes instead of restarting."""
         done = {} if done is None else done
-        typed = manifest.layout != "files"  # our shard files: zstd-dtype reads their tensor index
+        typed = manifest.layout != "files"  # our shard files: their tensor index says where to cut
         return [UploadedFile(shard.path, shard.size,
-                             self._upload_file(shard_path(local_dir, shard), shard.path, shard.size, step_dir,
-                                               codec, level, done, progress, self._frames, typed))
+                             self._upload_file(shard_path(local_dir, shard), shard.path, shard.size,
+                                               codec, level, done, progress, self._frames, typed, reuse))
                 for shard in shards]
 
     def commit_upload(self, manifest: ShardManifest, codec: str, files: list[UploadedFile],
@@ -178,10 +191,11 @@ class RemoteTier:
         committed step's marker is never overwritten, by us or by anyone. An existing marker that
         ``writer`` (our identity) wrote is an earlier attempt of ours whose answer was lost."""
         step_dir = layout.step_dir_name(manifest.step)
-        self._confirm_parts(step_dir, files, {} if done is None else done)
+        self._confirm_parts(files, {} if done is None else done)
         upload = UploadManifest(manifest.step, codec, files, json.loads(manifest.to_json()), time.time(),
                                 writer=writer)
         rel = f"{step_dir}/{layout.UPLOAD_MANIFEST}"
+        self._refs.pop(manifest.step, None)
         if self.t.put_if_absent(rel, upload.to_json().encode()) is None:
             existing = self.upload_manifest(manifest.step)
             if writer is None or (existing.writer or {}).get("token") != writer.get("token"):
@@ -189,46 +203,52 @@ class RemoteTier:
                     f"{self.where(rel)}: step {manifest.step} is already committed on the remote (by "
                     f"{describe_writer(existing.writer)}); a committed step is never overwritten")
             return existing
+        self._refs[manifest.step] = upload.objects()
         return upload
 
     def committed_by(self, step: int) -> dict | None:
         """The writer identity recorded in a committed step's upload manifest (None: unrecorded)."""
         return self.upload_manifest(step).writer
 
-    def _confirm_parts(self, step_dir: str, files: list[UploadedFile], done: dict) -> None:
-        """Before the commit marker: every part must be on the remote with its stored size.
+    def _confirm_parts(self, files: list[UploadedFile], done: dict) -> None:
+        """Before the commit marker: every object the step names must be on the remote with its
+        stored size, those it sent and those it references.
 
         A retry skips parts an earlier attempt sent; if the server lost any of them
-        meanwhile, writing upload.json would publish a partial checkpoint. Missing
-        parts are forgotten (so the next attempt re-sends them) and the attempt fails.
+        meanwhile (or an object referenced was deleted), writing upload.json would publish
+        a partial checkpoint. Missing parts are forgotten (so the next attempt sends them)
+        and the attempt fails.
         """
-        present = self.t.list_files(step_dir)
+        prefix = layout.OBJECTS + "/"
+        present = self.t.list_files(layout.OBJECTS)
         missing = []
         for f in files:
             for part in f.parts:
-                if present.get(part.path) != part.stored_size:
+                if present.get(part.path[len(prefix):]) != part.stored_size:
                     missing.append(part.path)
-                    done.pop(self.path(step_dir, part.path), None)
+                    done.pop((f.path, part.offset), None)
+                    done[("missing", f.path, part.offset)] = True  # never referenced again this round
         if missing:
-            raise RemoteError(f"{self.where(step_dir)}: {len(missing)} uploaded part(s) are missing or short "
-                              f"on the remote (first: {missing[0]}); sending them again", transient=True)
+            raise RemoteError(f"{self.where(layout.OBJECTS)}: {len(missing)} part(s) of this step are missing "
+                              f"or short on the remote (first: {missing[0]}); sending them again", transient=True)
 
-    def _upload_file(self, path, name, size, step_dir, codec, level, done, progress, frames,
-                     typed: bool = True) -> list[PartEntry]:
+    def _upload_file(self, path, name, size, codec, level, done, progress, frames,
+                     typed: bool = True, reuse: Reuse | None = None) -> list[PartEntry]:
         # torch: imported only when something is sent
         from .._format.codec import encode, frame_bound, runs_in
         from .._format.memview import byte_view
         buf = map_file(path, size)
-        spans = (float_spans(path) if typed else _safetensors_spans(path)) if codec == "zstd-dtype" else []
+        tensors = tensor_spans(path) if typed else _safetensors_spans(path)
+        spans = [(s, e, FLOAT_WIDTHS[d]) for s, e, d in tensors if d in FLOAT_WIDTHS] if codec == "zstd-dtype" else []
         parts: list[PartEntry] = []
         in_flight = threading.BoundedSemaphore(self.concurrency + 1)
         errors: list[BaseException] = []
 
-        def send(rel, remote, entry, stored, frame):
+        def send(rel, key, entry, stored, frame):
             try:
                 if not errors:
                     self.t.put(rel, stored, crc32c=entry.stored_crc32c)
-                    done[remote] = entry
+                    done[key] = entry
                     if progress:
                         progress(entry.raw_size)
                     if frame is not None:
@@ -239,15 +259,22 @@ class RemoteTier:
                 in_flight.release()
 
         with ThreadPoolExecutor(self.concurrency, thread_name_prefix="tieredckpt-upload") as pool:
-            for i, offset in enumerate(range(0, max(size, 1), self.part_size)):
-                part = layout.part_name(name, i)
-                remote = self.path(step_dir, part)
-                raw = buf[offset:offset + self.part_size]
+            for offset, end in part_bounds(size, [(s, e) for s, e, _ in tensors], self.part_size):
+                key = (name, offset)
+                raw = buf[offset:end]
                 raw_crc = crc_hex(crc32c_update(byte_view(raw)))
-                cached = done.get(remote)
-                if cached is not None and cached.raw_crc32c == raw_crc and cached.offset == offset:
-                    parts.append(cached)  # sent by an earlier attempt
+                cached = done.get(key)
+                if cached is not None and cached.raw_crc32c == raw_crc and cached.raw_size == raw.numel():
+                    parts.append(cached)  # sent (or found) by an earlier attempt
                     continue
+                found = None if reuse is None or ("missing", name, offset) in done else reuse.find(raw, offset, raw_crc)
+                if found is not None:
+                    parts.append(found)  # an object of a kept step holds these bytes: referenced
+                    done[key] = found
+                    if progress:
+                        progress(found.raw_size)
+                    continue
+                part = layout.object_name(raw_crc, raw.numel())
                 runs = runs_in(spans, offset, raw.numel()) if codec == "zstd-dtype" else None
                 frame = frames.take(frame_bound(raw.numel(), runs)) if codec == "zstd-dtype" else None
                 # raw parts are sent straight from the mapping (no copy); the others are encoded
@@ -264,7 +291,7 @@ class RemoteTier:
                 if errors:
                     in_flight.release()
                     break
-                pool.submit(send, f"{step_dir}/{part}", remote, entry, stored, frame)
+                pool.submit(send, part, key, entry, stored, frame)
         if errors:
             raise errors[0]
         return parts
@@ -305,7 +332,7 @@ class RemoteTier:
         self._fetch_part(upload, fd, part, None, FramePool(0))
 
     def _fetch_part(self, upload: UploadManifest, fd: int, part: PartEntry, progress, frames: FramePool) -> None:
-        rel = f"{layout.step_dir_name(upload.step)}/{part.path}"
+        rel = upload.part_rel(part)
         try:
             if upload.codec == "raw" and part.stored_size and part.raw_crc32c == part.stored_crc32c:
                 self._stream_raw(rel, fd, part)
@@ -377,12 +404,70 @@ class RemoteTier:
     # ---- deletion -----------------------------------------------------------------------
 
     def delete(self, step: int) -> None:
-        """Remove a remote step: its upload manifest first (it stops existing), then its data.
-
-        Only the owning writer calls this (see lease.py)."""
+        """Remove a remote step: its upload manifest first (it stops existing), then the objects
+        no other committed step names, then its directory. What the others reference is read
+        before anything goes: a failure to read it deletes nothing (retried later), and a marker
+        that cannot be parsed keeps every object (gc decides once it can). Only the owning writer
+        calls this (see lease.py)."""
         step_dir = layout.step_dir_name(step)
+        doomed: set[str] = set()
+        mine = self._objects_of(step)
+        if mine:
+            others = self.referenced(exclude={step})
+            doomed = mine - others if others is not None else set()
         self.t.rm(f"{step_dir}/{layout.UPLOAD_MANIFEST}")
+        self._refs.pop(step, None)
+        for rel in sorted(doomed):
+            self.t.rm(rel)
         self.t.rm_tree(step_dir)
+
+    def _objects_of(self, step: int) -> set[str]:
+        """The objects a committed step names (none: not committed, schema 1, or unreadable)."""
+        if step in self._refs:
+            return set(self._refs[step])
+        try:
+            return self.upload_manifest(step).objects()
+        except (CheckpointNotFoundError, ManifestError):
+            return set()
+
+    def referenced(self, exclude: set[int] = frozenset(), cached: bool = True) -> set[str] | None:
+        """Every object a committed step other than ``exclude`` names; None when a committed
+        step's marker cannot be parsed (what it names is unknown: nothing may be deleted)."""
+        names: set[str] = set()
+        for step in self.step_dirs():
+            if step in exclude:
+                continue
+            if cached and step in self._refs:
+                names |= self._refs[step]
+                continue
+            try:
+                objects = self.upload_manifest(step).objects()
+            except CheckpointNotFoundError:
+                continue  # no marker: not a step (a half-upload's objects are gc's)
+            except ManifestError:
+                return None
+            self._refs[step] = objects
+            names |= objects
+        return names
+
+    def orphan_objects(self, grace: float, now: float | None = None) -> tuple[list[str], str | None]:
+        """Objects no committed step names, written at least ``grace`` seconds ago by the remote's
+        clock (younger ones may belong to an upload about to commit); and why none may be
+        deleted, if so. Read fresh from the remote, never from what this process remembers."""
+        refs = self.referenced(cached=False)
+        if refs is None:
+            return [], "a committed step's upload manifest cannot be parsed, so what it names is unknown"
+        now = time.time() if now is None else now
+        found = self.t.list_times(layout.OBJECTS)
+        return sorted(rel for name, (_, written) in found.items()
+                      if (rel := f"{layout.OBJECTS}/{name}") not in refs and written is not None
+                      and now - written >= grace), None
+
+    def delete_objects(self, rels: list[str]) -> None:
+        for rel in rels:
+            if layout.parse_object(rel) is None:
+                raise ValueError(f"{rel!r} is not an object path")
+            self.t.rm(rel)
 
     # ---- side files ---------------------------------------------------------------------
 
@@ -432,13 +517,13 @@ class RemoteTier:
         self.t.close()
 
 
-def _safetensors_spans(path) -> list[tuple[int, int, int]]:
-    """A folder's file: its float tensors when it is a safetensors file (our shard format is
+def _safetensors_spans(path) -> list[tuple[int, int, str]]:
+    """A folder's file: its tensors (start, end, dtype) when it is a safetensors file (our shard format is
     one), else none -- every byte is then width 1 to zstd-dtype, plain zstd in effect."""
     if not str(path).endswith(".safetensors"):
         return []
     try:
-        return float_spans(path)
+        return tensor_spans(path)
     except (TieredCkptError, OSError):  # not a safetensors file after all: plain bytes
         return []
 

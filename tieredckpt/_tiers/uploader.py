@@ -51,6 +51,7 @@ from .._format.uploadmanifest import PartEntry, UploadedFile
 from ..errors import RemoteError, TieredCkptError, UploadError, WriterConflictError
 from .lease import WriterLease
 from .local import LocalTier
+from .objects import ObjectIndex, Reuse
 from .remote import RemoteTier, describe_writer
 from .retention import Policy, pins, plan_eviction
 
@@ -74,7 +75,9 @@ class Uploader:
         self.max_pending, self.backoff, self.slow_retry = max_pending, backoff, slow_retry
         self._round_started = 0.0  # when the current (or last) attempt began, monotonic
         self._finishing = False  # an upload's aftermath (rotation, its record) is running
-        self._sent: dict[int, int] = {}  # bytes the parts of a step took on the remote (leader)
+        self._sent: dict[int, tuple[int, int]] = {}  # (bytes sent, bytes referenced) of a step's parts (leader)
+        self.index = ObjectIndex()  # objects of kept remote steps, for parts whose bytes did not change
+        self._mine: dict[int, list[UploadedFile]] = {}  # this rank's files of the step in flight
         self.audit_interval = audit_interval
         self.keep_remote, self.lease = keep_remote, lease
         self.on_uploaded, self.on_error, self.progress = on_uploaded, on_error, progress
@@ -393,6 +396,7 @@ class Uploader:
         error, files = None, []
         try:
             files = self._send(step)
+            self._mine[step] = files
         except Exception as exc:  # noqa: BLE001 - exchanged with the other ranks, then handled
             error = exc
         results = self._gather({"ok": error is None, "error": self._describe(error),
@@ -406,7 +410,8 @@ class Uploader:
         if self.leader:
             everyone = [UploadedFile(f["path"], f["size"], [PartEntry(**p) for p in f["parts"]])
                         for res in results for f in res["files"]]
-            self._sent[step] = sum(p.stored_size for f in everyone for p in f.parts)
+            self._sent[step] = (sum(p.stored_size for f in everyone for p in f.parts if p.sent),
+                                sum(p.stored_size for f in everyone for p in f.parts))
             try:
                 self._commit(step, everyone)
             except Exception as exc:  # noqa: BLE001
@@ -420,8 +425,30 @@ class Uploader:
         if self.leader:
             self.remote.put_side_files(self.local.root)
         done = self._done.setdefault(step, {})
+        self._seed_index()
+        reuse = Reuse(self.index, self.codec, self._committed_dir)
         return self.remote.send_files(self.local.step_path(step), manifest, mine, self.codec, self.level,
-                                      done=done, progress=self.progress)
+                                      done=done, progress=self.progress, reuse=reuse)
+
+    def _committed_dir(self, step: int) -> Path | None:
+        path = self.local.step_path(step)
+        return path if (path / layout.MANIFEST).is_file() else None
+
+    def _seed_index(self, newest: int = 2) -> None:
+        """Learn the objects of the newest uploaded steps still on local disk (a restart, or a step
+        restored from the remote): one upload manifest each, once. A manifest that cannot be read
+        only means those bytes are sent again."""
+        with self._cond:
+            steps = sorted(self.uploaded, reverse=True)
+        for step in [s for s in steps if not self.index.has(s) and self._committed_dir(s) is not None][:newest]:
+            try:
+                upload = self.remote.upload_manifest(step)
+            except (TieredCkptError, RemoteError) as exc:
+                log.debug("step %d: its objects are not known for reuse (%s)", step, exc)
+                continue
+            rank = 0 if self.ranks is None else self.ranks.rank
+            files = upload.files if self.ranks is None else upload.files[rank:rank + 1]
+            self.index.add(step, upload.codec, files)
 
     def _commit(self, step: int, files: list[UploadedFile]) -> None:
         # Order: sha256 recorded -> fence (a conditional write of our lease record: after a
@@ -448,13 +475,14 @@ class Uploader:
         self.lease.fence()
         log.warning("%s: step %d there was committed by another writer (%s); replacing it with this run's "
                     "step %d", self.remote.display_url, step, describe_writer(by), step)
+        self.index.forget(step)
         self.remote.delete(step)
 
     def _uploaded(self, step: int, seconds: float) -> None:
         with self._cond:  # _current stays set until retention has had its turn: drain() waits for it
             self.uploaded.add(step)
             self._done.pop(step, None)
-            sent = self._sent.pop(step, None)
+            sent, referenced = self._sent.pop(step, (None, None))
             self._confirmed = (max(self.uploaded), time.monotonic())
             self._deletions |= {s for s in self._garbage if s < step}
             self._garbage -= self._deletions
@@ -462,7 +490,9 @@ class Uploader:
             self._failed_cycle.clear()
             self._failures.pop(step, None)
             self._set(step, "uploaded")
-            self._status[step].update(upload_s=round(seconds, 6), bytes_sent=sent)  # the last attempt's
+            self._status[step].update(upload_s=round(seconds, 6), bytes_sent=sent,  # the last attempt's
+                                      bytes_referenced=referenced)
+        self.index.add(step, self.codec, self._mine.pop(step, []))
         if self.leader:
             self._apply_retention()
             self._delete_pending()
@@ -604,6 +634,7 @@ class Uploader:
             try:
                 if self.lease is not None:
                     self.lease.check()
+                self.index.forget(step)  # before: a failed delete must not leave it offered for reuse
                 self.remote.delete(step)
             except (RemoteError, WriterConflictError) as exc:
                 log.warning("deleting remote step %d failed (%s); it is retried later", step, exc)
