@@ -81,13 +81,18 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=50)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--store", action="store_true", help="save through CheckpointStore (see above)")
+    parser.add_argument("--mid-write", type=int, default=0,
+                        help="after --trials, go on (up to 3x as many) until this many kills landed mid-save: "
+                             "where they land depends on the machine's speed, the count must not")
     args = parser.parse_args()
     torch.set_num_threads(1)  # no intra-op thread pool in the parent: a forked child could not use it
     if args.store:
         import tieredckpt._loop.store  # noqa: F401 - imported before forking: the children save at once
     rng = random.Random(args.seed)
     failures, scratch_seen, newest, unfilled = [], 0, -1, 0
-    for trial in range(args.trials):
+    trial = 0
+    while trial < args.trials or (scratch_seen < args.mid_write and trial < 3 * args.trials):
+        trial += 1
         pid = os.fork()
         if pid == 0:
             try:
@@ -111,7 +116,7 @@ def main() -> None:
             if steps[-1] < newest:
                 failures.append(f"trial {trial}: newest step went back from {newest} to {steps[-1]}")
             newest = steps[-1]
-    print(json.dumps({"trials": args.trials, "failures": failures, "killed_mid_write": scratch_seen,
+    print(json.dumps({"trials": trial, "failures": failures, "killed_mid_write": scratch_seen,
                       "newest_step": newest, "sha256_left_to_fill": unfilled}))
 
 

@@ -27,12 +27,16 @@ import re
 import shutil
 from contextlib import ExitStack
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from transformers import TrainerCallback
+from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from ._loop.signals import Requests, handle_signals
 from ._loop.store import CheckpointStore, SaveHandle
 from .errors import CheckpointExistsError
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
 
 __all__ = ["TieredCheckpointCallback", "prepare_resume", "save_state", "load_state"]
 
@@ -65,7 +69,7 @@ def _restore_newest(store: CheckpointStore, output_dir: Path) -> Path | None:
 
 
 def prepare_resume(output_dir: str | os.PathLike, remote: str | None = None, local: str | os.PathLike | None = None,
-                   **store_options) -> Path | None:
+                   **store_options: Any) -> Path | None:
     """Bring the newest step of the run back into ``output_dir/checkpoint-N/`` (from the local
     store or the remote) so that ``trainer.train(resume_from_checkpoint=True)`` finds it; the
     callback does this by itself when the Trainer is built. Returns the folder, or None when
@@ -87,7 +91,7 @@ class TieredCheckpointCallback(TrainerCallback):
     others before it commits (their per-rank files are in the folder then)."""
 
     def __init__(self, remote: str | None = None, local: str | os.PathLike | None = None, *,
-                 restore: bool = True, **store_options) -> None:
+                 restore: bool = True, **store_options: Any) -> None:
         self.remote, self.local, self.restore, self.options = remote, local, restore, store_options
         self.store: CheckpointStore | None = None
         self.requests = Requests()
@@ -101,20 +105,20 @@ class TieredCheckpointCallback(TrainerCallback):
             self.store = _store(args.output_dir, self.remote, self.local, self.options)
         return self.store
 
-    def on_init_end(self, args, state, control, **kwargs):
+    def on_init_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         store = self._open(args)
         if store is not None and self.restore:
-            _restore_newest(store, Path(args.output_dir))
+            _restore_newest(store, _output_dir(args))
         _barrier()
 
-    def on_train_begin(self, args, state, control, **kwargs):
+    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         self._open(args)
         try:
             self._signals.enter_context(handle_signals(self.requests))
         except RuntimeError:  # not the main thread: no signals, the rest works
             log.warning("the Trainer runs off the main thread: SIGTERM/SIGUSR1 are not handled")
 
-    def on_step_end(self, args, state, control, **kwargs):
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         if self.requests.stop_requested():
             control.should_save = control.should_training_stop = True
         elif self.requests.save_requested():
@@ -134,12 +138,12 @@ class TieredCheckpointCallback(TrainerCallback):
         if step in store.local.steps():
             shutil.rmtree(folder)
 
-    def on_save(self, args, state, control, **kwargs):
+    def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         _barrier()  # every process's files (rng_state_<rank>.pth) are in the folder now
         store = self.store if _is_main(args) else None
         if store is None:
             return
-        folder = Path(args.output_dir) / checkpoint_name(state.global_step)
+        folder = _output_dir(args) / checkpoint_name(state.global_step)
         try:
             self._handle = store.save_files(state.global_step, folder,
                                             user={"hf": {"global_step": state.global_step, "folder": folder.name}})
@@ -149,7 +153,7 @@ class TieredCheckpointCallback(TrainerCallback):
         if self.requests.stop_requested():
             self._wait()  # about to stop: committed before train() returns
 
-    def on_train_end(self, args, state, control, **kwargs):
+    def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         self._signals.close()
         if self.store is not None:
             stopping = self.requests.stop_requested()
@@ -160,6 +164,12 @@ class TieredCheckpointCallback(TrainerCallback):
         handle, self._handle = self._handle, None
         if handle is not None:
             handle.wait()
+
+
+def _output_dir(args: TrainingArguments) -> Path:
+    if args.output_dir is None:
+        raise ValueError("TieredCheckpointCallback needs TrainingArguments(output_dir=...): the Trainer's folders go there")
+    return Path(args.output_dir)
 
 
 def _is_main(args) -> bool:
@@ -177,8 +187,8 @@ def _barrier() -> None:
 ITERATION_KEY = "accelerate_iteration"
 
 
-def save_state(accelerator, store: CheckpointStore | None, step: int, output_dir: str | os.PathLike | None = None,
-               **save_kwargs) -> SaveHandle | None:
+def save_state(accelerator: Accelerator, store: CheckpointStore | None, step: int, output_dir: str | os.PathLike | None = None,
+               **save_kwargs: Any) -> SaveHandle | None:
     """``accelerator.save_state`` committed as ``step`` of ``store``; every process calls it, the
     main process passes its store (the others may pass None). Without ``output_dir`` and without
     automatic checkpoint naming, the folder is a scratch directory the store's step replaces."""
@@ -199,7 +209,7 @@ def save_state(accelerator, store: CheckpointStore | None, step: int, output_dir
     return handle
 
 
-def load_state(accelerator, store: CheckpointStore, step: int | None = None, **load_kwargs) -> int | None:
+def load_state(accelerator: Accelerator, store: CheckpointStore, step: int | None = None, **load_kwargs: Any) -> int | None:
     """The newest (or named) step of ``store`` loaded with ``accelerator.load_state``; the step, or
     None when the run has none. One process per node restores the folder; with automatic
     checkpoint naming the next save continues the iteration count."""

@@ -28,6 +28,7 @@ distributed checkpoints through the store's DCP writer (restorable at any world 
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -37,7 +38,7 @@ import warnings
 from collections import OrderedDict
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
@@ -48,6 +49,9 @@ from ._format.atomic import atomic_write_bytes, fsync_dir, fsync_file
 from ._loop.signals import Requests
 from ._loop.store import CheckpointStore, SaveHandle
 from .errors import CheckpointNotFoundError, RemoteNotFoundError, UnsupportedStateError
+
+if TYPE_CHECKING:
+    from lightning.pytorch import LightningModule, Trainer
 
 __all__ = ["TieredCheckpointIO", "TieredModelCheckpoint", "TieredModelParallelStrategy", "load_checkpoint"]
 
@@ -201,7 +205,7 @@ class TieredCheckpointIO(CheckpointIO):
     ``keep_remote``, ``remote_options``...)."""
 
     def __init__(self, local: str | os.PathLike | None = None, remote: str | None = None, *,
-                 drop_unsupported: bool = False, **store_options) -> None:
+                 drop_unsupported: bool = False, **store_options: Any) -> None:
         self.local, self.remote, self.drop_unsupported = local, remote, drop_unsupported
         self.options = store_options
         self.store: CheckpointStore | None = None
@@ -220,7 +224,7 @@ class TieredCheckpointIO(CheckpointIO):
     def _local(self, directory: str | os.PathLike) -> Path:
         return Path(self.local) if self.local is not None else Path(directory) / STORE_DIR
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: str | os.PathLike, storage_options: Any | None = None) -> None:
         path = Path(path)
         store = self.store_for(path.parent)
         plain = to_plain(checkpoint, self.drop_unsupported)
@@ -228,16 +232,16 @@ class TieredCheckpointIO(CheckpointIO):
         if step not in store.local.steps() and not self._is_pending(step):
             self._handle = store.save(step, plain, user=lightning_user(checkpoint, path))
         path.parent.mkdir(parents=True, exist_ok=True)
-        if self._is_pending(step):  # made durable once the step commits, on the writer's thread
-            write_pointer(path, step, durable=False)
-            self._handle._future.add_done_callback(lambda _, path=path: sync_pointer(path))
+        if self._handle is not None and self._is_pending(step):  # made durable once the step commits
+            write_pointer(path, step, durable=False)  # (on the writer's thread)
+            self._handle._future.add_done_callback(functools.partial(_sync_when_done, path))
         else:
             write_pointer(path, step)
 
     def _is_pending(self, step: int) -> bool:
         return self._handle is not None and self._handle.step == step
 
-    def load_checkpoint(self, path, map_location: Any | None = None, weights_only: bool | None = None) -> dict:
+    def load_checkpoint(self, path: str | os.PathLike, map_location: Any | None = None, weights_only: bool | None = None) -> dict:
         path = Path(path)
         step = read_pointer(path)
         if step is None:
@@ -255,7 +259,7 @@ class TieredCheckpointIO(CheckpointIO):
                 "retention removed); TieredModelCheckpoint repairs the pointers before ckpt_path='last' resolves")
         return from_plain(state)
 
-    def remove_checkpoint(self, path) -> None:
+    def remove_checkpoint(self, path: str | os.PathLike) -> None:
         """Remove Lightning's pointer; the store's retention decides what data goes."""
         path = Path(path)
         if path.is_symlink() or (path.is_file() and read_pointer(path) is not None):
@@ -353,10 +357,14 @@ def _pointed(path: Path) -> int | None:
         return None
 
 
+def _sync_when_done(path: Path, future) -> None:
+    sync_pointer(path)
+
+
 def _saved(store: CheckpointStore, step: int, local_steps: list[int]) -> dict:
     """What the manifest of ``step`` says of it as a Lightning checkpoint ({} when nothing)."""
     try:
-        if step in local_steps:
+        if step in local_steps or store.remote is None:
             user = store.local.manifest(step).user
         else:
             user = store.remote.upload_manifest(step).shard_manifest.user
@@ -377,7 +385,7 @@ def _rank() -> int:
 
 
 def load_checkpoint(path: str | os.PathLike, local: str | os.PathLike | None = None, remote: str | None = None,
-                    **store_options) -> dict:
+                    **store_options: Any) -> dict:
     """The checkpoint dict a pointer names (what ``torch.load`` of a ``.ckpt`` would give), for
     code that reads checkpoints outside a Trainer: ``Model.load_state_dict(ckpt["state_dict"])``."""
     io = TieredCheckpointIO(local, remote, read_only=True, **store_options)
@@ -396,18 +404,18 @@ class TieredModelCheckpoint(ModelCheckpoint):
     Trainer's checkpoint plugin."""
 
     def _find_last_checkpoints(self, trainer) -> set[str]:
-        directory = self._ModelCheckpoint__resolve_ckpt_dir(trainer)
+        directory = self._ModelCheckpoint__resolve_ckpt_dir(trainer)  # type: ignore[attr-defined]
         _plugin(trainer).restore_pointers(directory, drop_uncommitted=True)
         return super()._find_last_checkpoints(trainer)
 
-    def find_best(self, trainer) -> str:
+    def find_best(self, trainer: Trainer) -> str:
         """The best checkpoint any tier holds by this callback's ``monitor`` and ``mode`` (the
         scores recorded when each was saved), its pointer written back; also sets
         ``best_model_path``, so ``ckpt_path="best"`` works after it, in a process that never
         trained: ``trainer.test(model, ckpt_path=checkpoint.find_best(trainer))``."""
         if self.monitor is None:
             raise ValueError("find_best ranks checkpoints by a score: use TieredModelCheckpoint(monitor=...)")
-        directory = Path(self._ModelCheckpoint__resolve_ckpt_dir(trainer))
+        directory = Path(self._ModelCheckpoint__resolve_ckpt_dir(trainer))  # type: ignore[attr-defined]
         _, saved = _plugin(trainer)._restore(directory, drop_uncommitted=False)
         scored = _scores(saved, self.monitor)
         if not scored:
@@ -417,7 +425,7 @@ class TieredModelCheckpoint(ModelCheckpoint):
         self.best_model_path = str(directory / scored[step][1])
         return self.best_model_path
 
-    def on_train_start(self, trainer, pl_module) -> None:
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
         plugin = _plugin(trainer)
         self._previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
@@ -428,7 +436,8 @@ class TieredModelCheckpoint(ModelCheckpoint):
             self._previous = {}
             log.warning("training off the main thread: SIGTERM/SIGUSR1 are not handled")
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         requests = _plugin(trainer).requests
         save, stop = requests.save_requested(), requests.stop_requested()
@@ -447,7 +456,7 @@ class TieredModelCheckpoint(ModelCheckpoint):
             _plugin(trainer).wait()  # committed before fit returns
             trainer.should_stop = True
 
-    def on_train_end(self, trainer, pl_module) -> None:
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         for signum, handler in getattr(self, "_previous", {}).items():
             signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
         self._previous = {}
@@ -474,7 +483,7 @@ class TieredModelParallelStrategy(ModelParallelStrategy):
     Takes ModelParallelStrategy's arguments. With ``save_distributed_checkpoint=False`` the
     gathered full state is saved by rank 0 through TieredCheckpointIO."""
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any | None = None) -> None:
         if not self._save_distributed_checkpoint:
             return super().save_checkpoint(checkpoint, filepath, storage_options)
         from torch.distributed.checkpoint import save
@@ -496,7 +505,7 @@ class TieredModelParallelStrategy(ModelParallelStrategy):
             write_pointer(path, step)
         self.barrier("TieredModelParallelStrategy.save_checkpoint")
 
-    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
+    def load_checkpoint(self, checkpoint_path: str | os.PathLike, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(str(checkpoint_path)))
         step = read_pointer(path) if path.is_file() else None
         if step is None:
@@ -513,14 +522,15 @@ class TieredModelParallelStrategy(ModelParallelStrategy):
             set_optimizer_state_dict,
         )
         store = _strategy_plugin(self).store_for(path.resolve().parent, distributed=True)
-        module = self.model
+        module, lightning_module = self.model, self.lightning_module
+        assert module is not None and lightning_module is not None  # Lightning connects them before a load
         rest = from_plain(store.dcp_reader(step).read_extra())
         # One dcp.load for the model and every optimizer: the reader verifies every chunk this
         # rank needs before it copies any into a live tensor, so a bad piece loads nothing.
-        state = {"state_dict": get_model_state_dict(module),
+        state: dict[str, Any] = {"state_dict": get_model_state_dict(module),
                  **{f"optimizer_{i}": get_optimizer_state_dict(module, o) for i, o in enumerate(self.optimizers)}}
         load(state, storage_reader=store.dcp_reader(step))
-        module.load_state_dict(state["state_dict"], strict=self.lightning_module.strict_loading)
+        module.load_state_dict(state["state_dict"], strict=lightning_module.strict_loading)
         for i, optimizer in enumerate(self.optimizers):
             set_optimizer_state_dict(module, optimizer, optim_state_dict=state[f"optimizer_{i}"],
                                      options=StateDictOptions(cpu_offload=True))

@@ -155,7 +155,7 @@ def _decode_planes(stored: memoryview, raw_size: int, emit: Callable, source: st
         emit(body[packed_len + 3 * n:])
 
 
-def _read_only_view(data: bytes, offset: int, count: int) -> torch.Tensor:
+def _read_only_view(data: bytes | memoryview, offset: int, count: int) -> torch.Tensor:
     """A uint8 tensor over immutable bytes, without copying; only ever read from."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # "non-writable buffer": we never write to it
@@ -302,6 +302,7 @@ def _gather_planes(group: list[torch.Tensor], width: int, frame: torch.Tensor, s
                 elif k == 0:
                     dest.copy_(words[first:last])  # an integer cast to uint8 keeps its low byte
                 else:
+                    assert scratch is not None  # width > 1 whenever words are integers
                     shifted = scratch[:last - first]
                     dest.copy_(torch.bitwise_right_shift(words[first:last], 8 * k, out=shifted))
         at += n
@@ -337,9 +338,8 @@ def _worth_trying(zstd, plane: memoryview) -> bool:
     dtype): judged on 16 slices of 4 KiB spread evenly over it, so random planes cost almost no
     zstd work, and a part whose first tensor is all zeros or ones (a LayerNorm's biases and
     weights) does not pass for a compressible plane (it did when only the first 64 KiB was read)."""
-    if len(plane) <= _SAMPLES * _SAMPLE:
-        sample = plane
-    else:
+    sample: bytes | memoryview = plane
+    if len(plane) > _SAMPLES * _SAMPLE:
         spacing = (len(plane) - _SAMPLE) // (_SAMPLES - 1)
         sample = b"".join(plane[i * spacing:i * spacing + _SAMPLE] for i in range(_SAMPLES))
     return len(sample) > 0 and len(zstd.compress(sample)) < 0.9 * len(sample)

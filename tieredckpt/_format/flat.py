@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,7 +48,8 @@ def flat_size(n_params: int) -> int:
     return _HEADER.size + 12 * n_params
 
 
-def write_flat(path: str | os.PathLike, step: int, weights, m, v) -> None:
+def write_flat(path: str | os.PathLike, step: int, weights: torch.Tensor | Sequence[float], m: torch.Tensor | Sequence[float],
+               v: torch.Tensor | Sequence[float]) -> None:
     """Write a flat checkpoint atomically. Arrays must be 1-D float32 of equal length."""
     arrays = [_as_f32(a, name) for a, name in ((weights, "weights"), (m, "m"), (v, "v"))]
     n = arrays[0].numel()

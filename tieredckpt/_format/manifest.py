@@ -144,7 +144,7 @@ def _validate(raw: object, source: str) -> ShardManifest:
     world_size = _int(raw, "world_size", source, minimum=1)
     step = _int(raw, "step", source)
     wall = _number(raw, "wall_clock_seconds", source)
-    created = _number(raw, "created_unix", source, required=False)
+    created = _optional_number(raw, "created_unix", source)
     user = check_user(raw.get("user", {}), source)
     shards_raw = raw.get("shards")
     if not isinstance(shards_raw, list):
@@ -198,10 +198,12 @@ def _int(raw: dict, key: str, where: str, minimum: int = 0) -> int:
     return value
 
 
-def _number(raw: dict, key: str, where: str, required: bool = True) -> float | None:
+def _number(raw: dict, key: str, where: str) -> float:
     value = raw.get(key)
-    if value is None and not required:
-        return None
-    if type(value) not in (int, float) or not 0 <= value < 1e15:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < 1e15:
         raise ManifestError(f"{where}: {key!r} must be a non-negative number, got {value!r}")
     return float(value)
+
+
+def _optional_number(raw: dict, key: str, where: str) -> float | None:
+    return None if raw.get(key) is None else _number(raw, key, where)

@@ -144,7 +144,7 @@ def piece_nodes(skeleton: Any) -> list[tuple[tuple, dict]]:
     """(path, node) of every DTensor piece in a skeleton (untrusted: malformed parts are skipped
     here and refused by unflatten)."""
     found: list[tuple[tuple, dict]] = []
-    stack = [(skeleton, ())]
+    stack: list[tuple[Any, tuple]] = [(skeleton, ())]
     while stack:
         node, path = stack.pop()
         if not isinstance(node, dict) or len(path) > _MAX_DEPTH:

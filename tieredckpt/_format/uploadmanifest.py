@@ -101,7 +101,7 @@ class UploadManifest:
         if step != checkpoint.step:
             raise ManifestError(f"{source}: step {step!r} differs from its checkpoint's {checkpoint.step}")
         uploaded = raw.get("uploaded_unix")
-        if type(uploaded) not in (int, float):
+        if not isinstance(uploaded, (int, float)) or isinstance(uploaded, bool):
             raise ManifestError(f"{source}: uploaded_unix must be a number")
         return cls(step, raw["codec"], parsed, raw["checkpoint"], float(uploaded), schema, _writer(raw.get("writer")))
 
@@ -126,13 +126,14 @@ def _uploaded_file(raw, shard, where, schema: int) -> UploadedFile:
         if p["raw_size"] > MAX_PART_RAW or p["stored_size"] > max_stored(p["raw_size"]):
             raise ManifestError(f"{where}: parts[{j}] declares {p['raw_size']} raw / {p['stored_size']} stored "
                                 f"bytes, beyond what tieredckpt writes (raw <= {MAX_PART_RAW})")
-        crcs = [p.get("raw_crc32c"), p.get("stored_crc32c")]
-        if not all(isinstance(c, str) and re.fullmatch(r"[0-9a-f]{8}", c) for c in crcs):
+        crcs = [c if isinstance(c, str) else "" for c in (p.get("raw_crc32c"), p.get("stored_crc32c"))]
+        if not all(re.fullmatch(r"[0-9a-f]{8}", c) for c in crcs):
             raise ManifestError(f"{where}: parts[{j}] checksums are not 8 hex digits")
         sent = p.get("sent", True)
         if type(sent) is not bool:
             raise ManifestError(f"{where}: parts[{j}] 'sent' must be true or false")
-        parts.append(PartEntry(_part_path(p.get("path"), p, f"{where}: parts[{j}]", schema), *ints, *crcs, sent))
+        parts.append(PartEntry(_part_path(p.get("path"), p, f"{where}: parts[{j}]", schema), p["offset"], p["raw_size"],
+                               p["stored_size"], crcs[0], crcs[1], sent))
         offset += p["raw_size"]
     if offset != shard.size:
         raise ManifestError(f"{where}: parts cover {offset} bytes of {shard.size}")

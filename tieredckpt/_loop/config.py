@@ -78,7 +78,7 @@ class StoreConfig:
             try:
                 import tomllib
             except ImportError:  # Python 3.10
-                import tomli as tomllib
+                import tomli as tomllib  # type: ignore[no-redef]
             doc = tomllib.loads(text)
         elif path.suffix in (".yaml", ".yml"):
             try:
@@ -99,7 +99,7 @@ def _policy(raw: Any, source: str) -> Policy | None:
         return None
     if not isinstance(raw, dict) or not raw or set(raw) - {"last", "every"}:
         raise ValueError(f"{source}: keep_remote must be a table with 'last' and/or 'every', got {raw!r}")
-    policies = []
+    policies: list[Policy] = []
     if "last" in raw:
         policies.append(KeepLast(raw["last"]))
     if "every" in raw:

@@ -26,9 +26,11 @@ is unpickled: the planner only ever sees bytes made here from plain values.
 
 from __future__ import annotations
 
+import functools
 import io
+import os
 from contextlib import ExitStack
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.checkpoint import Metadata, StorageReader, StorageWriter
@@ -38,13 +40,16 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.planner import LoadItemType, WriteItemType
-from torch.distributed.checkpoint.storage import WriteResult
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.storage import StorageMeta, WriteResult
 
 from .._format import tree
 from .._format.boxes import Box
 from .._format.pieces import Chunk, piece_box
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedStateError
+
+if TYPE_CHECKING:
+    from .store import CheckpointStore
 
 VERSION = 1
 
@@ -58,33 +63,37 @@ def _done(value: Any) -> torch.futures.Future:
 class TieredWriter(StorageWriter):
     """A DCP storage writer that commits into ``store`` as step ``step`` (see module doc)."""
 
-    def __init__(self, store, step: int, extra: Any = None, user: dict | None = None) -> None:
+    def __init__(self, store: CheckpointStore, step: int, extra: Any = None, user: dict | None = None) -> None:
         super().__init__()
         self.store, self.step, self.extra, self.user = store, step, extra, user
         self._mappings: dict = {}
 
-    def reset(self, checkpoint_id=None) -> None:
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         pass
 
-    def set_up_storage_writer(self, is_coordinator: bool, *args, **kwargs) -> None:
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
 
-    def prepare_local_plan(self, plan):
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         self._mappings = dict(plan.planner_data or {}) if isinstance(plan.planner_data, dict) else {}
         return plan
 
-    def prepare_global_plan(self, plans):
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         return plans
 
-    def write_data(self, plan, planner) -> torch.futures.Future:
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> torch.futures.Future:
         tensors, values, results = [], [], []
         for item in plan.items:
             data = planner.resolve_data(item)
             fqn = item.index.fqn
             if item.type == WriteItemType.BYTE_IO:
+                if not isinstance(data, io.BytesIO):
+                    raise UnsupportedStateError(f"DCP entry {fqn!r}: the planner gave {type(data).__name__}, not bytes")
                 values.append([fqn, _plain_value(data, fqn)])
                 size = data.getbuffer().nbytes
             else:
+                if not isinstance(data, torch.Tensor) or item.tensor_data is None:
+                    raise UnsupportedStateError(f"DCP entry {fqn!r}: the planner gave {type(data).__name__}, not a tensor")
                 chunk = item.tensor_data.chunk
                 tensor = data.detach()
                 if tuple(tensor.shape) != tuple(chunk.sizes):
@@ -100,21 +109,21 @@ class TieredWriter(StorageWriter):
         self.store.commit_unstaged(self.step, state, self.user)  # every rank: one commit for the whole world
         return _done(results)
 
-    def finish(self, metadata, results) -> None:
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         pass  # committed by every rank in write_data
 
-    def storage_meta(self):
+    def storage_meta(self) -> StorageMeta | None:
         return None
 
     @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id) -> bool:
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
         return False
 
 
 class TieredReader(StorageReader):
     """A DCP storage reader of ``store``'s step ``step`` (the newest on any tier when None)."""
 
-    def __init__(self, store, step: int | None = None) -> None:
+    def __init__(self, store: CheckpointStore, step: int | None = None) -> None:
         super().__init__()
         self.store, self.step = store, step
         self._stack: ExitStack | None = None
@@ -122,7 +131,7 @@ class TieredReader(StorageReader):
         self._values: dict[str, Any] = {}
         self._extra: Any = None
 
-    def reset(self, checkpoint_id=None) -> None:
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         pass
 
     def read_extra(self) -> Any:
@@ -134,7 +143,7 @@ class TieredReader(StorageReader):
         finally:
             self._close()
 
-    def read_metadata(self, *args, **kwargs) -> Metadata:
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         self._close()
         step = self.step if self.step is not None else self.store.latest_step()
         if step is None:
@@ -153,8 +162,8 @@ class TieredReader(StorageReader):
         mappings: dict[str, tuple] = {}
         self._chunks, self._values, self._extra = {}, {}, None
         for f in files:
-            saved = tree.unflatten(f.skeleton, lambda i, path, f=f: _Ref(f, i), str(f.path), count=len(f.names),
-                                   on_piece=lambda path, node, f=f: (f, node))
+            saved = tree.unflatten(f.skeleton, functools.partial(_ref, f), str(f.path), count=len(f.names),
+                                   on_piece=functools.partial(_piece, f))
             dcp = saved.get("dcp") if isinstance(saved, dict) else None
             if not isinstance(dcp, dict) or dcp.get("version") != VERSION:
                 raise CorruptCheckpointError(f"{f.path}: not written by tieredckpt's DCP writer "
@@ -178,16 +187,16 @@ class TieredReader(StorageReader):
                 mappings[fqn] = tuple(path) if isinstance(path, list) else path
         return Metadata(state_dict_metadata=meta, planner_data=mappings)
 
-    def set_up_storage_reader(self, metadata, is_coordinator: bool, *args, **kwargs) -> None:
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
 
-    def prepare_local_plan(self, plan):
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
 
-    def prepare_global_plan(self, plans):
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         return plans
 
-    def read_data(self, plan, planner) -> torch.futures.Future:
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future:
         if self._stack is None:
             self.read_metadata()
         try:
@@ -246,7 +255,7 @@ class TieredReader(StorageReader):
             self._stack = None
 
     @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id) -> bool:
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
         return False
 
 
@@ -255,6 +264,14 @@ class _Ref:
 
     def __init__(self, file, index: int) -> None:
         self.file, self.index = file, index
+
+
+def _ref(file, index: int, path: tuple) -> _Ref:
+    return _Ref(file, index)
+
+
+def _piece(file, path: tuple, node: dict) -> tuple:
+    return file, node
 
 
 def _pairs(value: Any, f) -> list:

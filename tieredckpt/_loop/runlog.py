@@ -52,7 +52,8 @@ class LossHistory:
 
     def replayed(self) -> list[dict]:
         """Entries that a later resume superseded (steps redone after a crash)."""
-        out, live = [], []
+        out: list[dict] = []
+        live: list[dict] = []
         for entry in self.entries:
             if entry.get("event") == "resume":
                 out += [e for e in live if e["step"] > entry["step"]]

@@ -29,7 +29,7 @@ import statistics
 import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 log = logging.getLogger("tieredckpt.stats")
@@ -125,7 +125,7 @@ class Stats:
             log.debug("cannot append to %s: %s", self.path, exc)
 
 
-def summarize(saves: list[dict], uploads: list[dict], failures: list[dict] = ()) -> dict:
+def summarize(saves: list[dict], uploads: list[dict], failures: Sequence[dict] = ()) -> dict:
     """Medians and maxima of save and upload records (also what ``ls --stats`` prints), and
     how many saves failed (``save_failures``) with the last failure (``last_save_failure``)."""
     def figure(records, key):
@@ -163,5 +163,5 @@ def read_events(path: Path, limit: int = MAX_EVENTS_FILE) -> tuple[list[dict], l
         except ValueError:
             continue
         if isinstance(record, dict):
-            {"save": saves, "upload": uploads, "save_failed": failures}.get(record.get("event"), []).append(record)
+            {"save": saves, "upload": uploads, "save_failed": failures}.get(str(record.get("event")), []).append(record)
     return saves, uploads, failures

@@ -42,7 +42,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .._format import layout, tree
 from .._format.codec import MAX_LEVEL
@@ -79,6 +79,12 @@ from .signals import Requests, handle_signals
 from .staging import Stager, StepHold
 from .stats import Stats
 
+if TYPE_CHECKING:
+    from fsspec import AbstractFileSystem
+
+    from .config import StoreConfig
+    from .dcp import TieredReader, TieredWriter
+
 UPLOAD_GROUP_TIMEOUT = 24 * 3600.0  # ranks wait for each other's uploads through long outages
 # What close() may still spend on the remote once it stops waiting for uploads (after SIGTERM:
 # Kubernetes sends SIGKILL 30 s after SIGTERM by default, systemd 90 s).
@@ -114,7 +120,7 @@ def _background_priority() -> None:
 class SaveHandle:
     """The pending background write of one save."""
 
-    def __init__(self, step: int, future: Future, hold=None) -> None:
+    def __init__(self, step: int, future: Future, hold: StepHold | None = None) -> None:
         self.step = step
         self._future = future
         self._hold = hold
@@ -163,7 +169,7 @@ class CheckpointStore(AbstractContextManager):
                  on_upload_error: Callable[[int | None, Exception], None] | None = None,
                  upload_part_size: int = PART_SIZE, close_timeout: float | None = 600.0,
                  exit_timeout: float = EXIT_TIMEOUT, on_save_error: str = "raise",
-                 read_only: bool = False, takeover: bool = False, remote_fs=None,
+                 read_only: bool = False, takeover: bool = False, remote_fs: AbstractFileSystem | None = None,
                  distributed: bool | None = None, stall_budget: float = 0.02,
                  on_stats: Callable[[dict], None] | None = None, overlap: bool = False) -> None:
         """``local``: the run directory. ``remote``: any fsspec URL (s3://bucket/prefix,
@@ -265,7 +271,7 @@ class CheckpointStore(AbstractContextManager):
                 if not read_only:
                     self.uploader = Uploader(
                         self.local, self.remote, codec=codec, level=compression_level, mode=uploads,
-                        max_pending=max_pending_uploads, backoff=tuple(upload_backoff[:2]),
+                        max_pending=max_pending_uploads, backoff=(upload_backoff[0], upload_backoff[1]),
                         slow_retry=upload_backoff[2] if len(upload_backoff) > 2 else 60.0,
                         audit_interval=audit_interval, keep_remote=keep_remote,
                         lease=lease, on_uploaded=self._on_uploaded, on_error=on_upload_error,
@@ -299,17 +305,19 @@ class CheckpointStore(AbstractContextManager):
     def _open_remote(self, takeover: bool) -> WriterLease | None:
         """Fail fast on what no retry fixes (no bucket, access denied, another writer);
         a remote that does not answer only delays uploads (the uploader keeps trying)."""
+        remote = self.remote
+        assert remote is not None  # called only when the store has one
         try:
-            self.remote.t.probe(create=not self.read_only)
+            remote.t.probe(create=not self.read_only)
         except RemoteError as exc:
             if not exc.transient:
                 raise
             log.warning("%s: unreachable now (%s); local saves and restores go on, uploads start "
-                        "when it answers", self.remote.display_url, exc)
+                        "when it answers", remote.display_url, exc)
             self._remote_down = True
         if self.read_only or self.rank != 0:
             return None
-        lease = WriterLease(self.remote.t)
+        lease = WriterLease(remote.t)
         if not getattr(self, "_remote_down", False):
             try:
                 lease.acquire(takeover=takeover)
@@ -317,7 +325,7 @@ class CheckpointStore(AbstractContextManager):
                 if not exc.transient:
                     raise
                 log.warning("%s: cannot record this writer yet (%s); retried in the background",
-                            self.remote.display_url, exc)
+                            remote.display_url, exc)
         return lease
 
     def _agree(self, fn: Callable[[], Any], what: str) -> Any:
@@ -338,7 +346,8 @@ class CheckpointStore(AbstractContextManager):
         return result
 
     @classmethod
-    def from_config(cls, config, section: str = "checkpoint", **overrides) -> CheckpointStore:
+    def from_config(cls, config: StoreConfig | dict | str | os.PathLike, section: str = "checkpoint",
+                    **overrides: Any) -> CheckpointStore:
         """A store from a StoreConfig, a dict (the checkpoint section), or a .toml/.yaml/.json path."""
         from .config import StoreConfig
         if isinstance(config, (str, os.PathLike)):
@@ -425,6 +434,7 @@ class CheckpointStore(AbstractContextManager):
                     self.local.clear_leftover(step)  # a step dir without a manifest is moved aside, not in our way
                     manifest = self._commit_with_room(step, staged, user, wall)
                 else:  # each node makes its own room first; a rank that cannot fails the commit for all
+                    assert self._commit_ranks is not None  # made with self.ranks
                     self._make_room(step, staged.nbytes * self._node_ranks)
                     manifest = commit_rank(self.local.root, step, staged, self._commit_ranks,
                                            param_span=param_span, user=user, wall_clock_seconds=wall)
@@ -647,7 +657,7 @@ class CheckpointStore(AbstractContextManager):
                 handle.wait()
         return stop
 
-    def handle_signals(self):
+    def handle_signals(self) -> AbstractContextManager[Requests]:
         """Context manager: SIGTERM -> save and stop, SIGUSR1 -> save and go on."""
         return handle_signals(self.requests)
 
@@ -776,7 +786,7 @@ class CheckpointStore(AbstractContextManager):
                 self.run.mark_resume(step)
         return state
 
-    def dcp_writer(self, step: int, extra: Any = None, user: dict | None = None):
+    def dcp_writer(self, step: int, extra: Any = None, user: dict | None = None) -> TieredWriter:
         """A torch.distributed.checkpoint StorageWriter that commits into this store as ``step``:
         ``dcp.save(state, storage_writer=store.dcp_writer(step))`` (or ``dcp.async_save``), on
         every rank. The step is committed, rotated and uploaded like one ``save()`` wrote.
@@ -787,7 +797,7 @@ class CheckpointStore(AbstractContextManager):
         self._check_writable()
         return TieredWriter(self, step, extra, user)
 
-    def dcp_reader(self, step: int | None = None):
+    def dcp_reader(self, step: int | None = None) -> TieredReader:
         """A torch.distributed.checkpoint StorageReader of ``step`` (default: the newest on any
         tier): ``dcp.load(state, storage_reader=store.dcp_reader())``. Local copies are preferred;
         a missing or corrupt one is read from the remote (also on a machine with nothing local)."""
@@ -806,6 +816,8 @@ class CheckpointStore(AbstractContextManager):
 
     def _fetch_side_files(self) -> None:
         """Complete the run's side files from the remote (each missing one, a longer loss history)."""
+        if self.remote is None:
+            return
         self.run.close()  # the loss history may be replaced; reopen it afterwards
         try:
             self.remote.get_side_files(self.local.root, warn=_warn)
@@ -835,7 +847,8 @@ class CheckpointStore(AbstractContextManager):
         status = self.uploader.status() if self.uploader is not None else {}
         out = []
         for step in sorted(local | remote):
-            m = self.local.manifest(step) if step in local else self.remote.upload_manifest(step).shard_manifest
+            m = self.local.manifest(step) if step in local or self.remote is None \
+                else self.remote.upload_manifest(step).shard_manifest
             upload = status.get(step, {}).get("state") if step not in remote and self.remote else None
             out.append(CheckpointInfo(step, self.local.step_path(step) if step in local else None, m.total_size,
                                       m.created_unix, m.world_size, step in local, step in remote, upload))

@@ -42,6 +42,7 @@ import secrets
 import socket
 import threading
 import time
+from collections.abc import Set as AbstractSet
 
 from .._format import layout
 from ..errors import RemoteError, WriterConflictError
@@ -107,7 +108,7 @@ class WriterLease:
                 # after our write must not take it for a closed store's leftover (holder_alive).
                 _LIVE.add(self.token)
                 try:
-                    self.version = (self.t.put_if_absent(layout.WRITER_LEASE, body) if found is None
+                    self.version = (self.t.put_if_absent(layout.WRITER_LEASE, body) if version is None
                                     else self.t.put_if_match(layout.WRITER_LEASE, body, version))
                 except BaseException:
                     _LIVE.discard(self.token)
@@ -138,7 +139,7 @@ class WriterLease:
             if not self.owned:
                 return False
             self.seq += 1
-            if self.t.conditional:
+            if self.t.conditional and self.version is not None:
                 version = self.t.put_if_match(layout.WRITER_LEASE, self._record(), self.version)
                 if version is not None:
                     self.version = version
@@ -260,7 +261,7 @@ def _parse(data: bytes, t: Transport) -> dict:
     return record
 
 
-def holder_alive(record: dict, age: float | None, mine: set[str] = frozenset()) -> tuple[bool, str]:
+def holder_alive(record: dict, age: float | None, mine: AbstractSet[str] = frozenset()) -> tuple[bool, str]:
     """(alive?, why) for a lease record another writer left, ``age`` seconds old by the remote's
     own clock (None: the backend cannot tell). ``mine``: the tokens this process holds now; a
     record of this very process with another token is a store of ours that was closed without

@@ -54,7 +54,7 @@ class LocalTier:
 
         A step directory we may not look into is listed (so that reading it reports
         why it fails, instead of the run silently going back to an older step)."""
-        found = []
+        found: list[int] = []
         if not self.root.is_dir():
             return found
         for entry in os.scandir(self.root):
@@ -130,7 +130,7 @@ class LocalTier:
             self.update_latest()
         return dest
 
-    def manifest(self, step: int) -> ShardManifest:
+    def manifest(self, step: int | None) -> ShardManifest:
         return read_manifest(self.require(step))
 
     def load(self, step: int | None = None, world_size: int = 1, verify: str = "crc") -> list[Any]:

@@ -22,6 +22,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 from .._format import layout
 from .._format.uploadmanifest import PartEntry, UploadedFile
@@ -97,7 +101,7 @@ class Reuse:
 
     def __init__(self, index: ObjectIndex, codec: str, local_step: Callable[[int], Path | None]) -> None:
         self.index, self.codec, self.local_step = index, codec, local_step
-        self._maps: dict[Path, object] = {}
+        self._maps: dict[Path, torch.Tensor | None] = {}
         self.compared = 0  # bytes compared (for the stats)
 
     def find(self, raw, offset: int, raw_crc32c: str) -> PartEntry | None:

@@ -121,6 +121,7 @@ def commit_rank(root: Path, step: int, state: Any, ranks: RankGroup, *,
     outcome = None
     try:
         if ranks.rank != leader:  # 3. gather this node's shards in the leader's scratch
+            assert scratch is not None  # every rank wrote its shard (2.)
             os.rename(scratch / layout.shard_name(ranks.rank), leader_scratch / layout.shard_name(ranks.rank))
             os.rmdir(scratch)
     except Exception as exc:  # noqa: BLE001

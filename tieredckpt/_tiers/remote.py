@@ -39,6 +39,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from collections.abc import Set as AbstractSet
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -276,7 +277,7 @@ class RemoteTier:
                     continue
                 part = layout.object_name(raw_crc, raw.numel())
                 runs = runs_in(spans, offset, raw.numel()) if codec == "zstd-dtype" else None
-                frame = frames.take(frame_bound(raw.numel(), runs)) if codec == "zstd-dtype" else None
+                frame = frames.take(frame_bound(raw.numel(), runs)) if runs is not None else None
                 # raw parts are sent straight from the mapping (no copy); the others are encoded
                 # here (zstd-dtype into a reused frame) while the sends already in flight go on
                 if codec == "raw":
@@ -319,7 +320,7 @@ class RemoteTier:
                 jobs += [(fd, part) for part in f.parts]
             frames = FramePool(0)  # compressed parts land here before decoding, each sized to its part
             with ThreadPoolExecutor(self.concurrency, thread_name_prefix="tieredckpt-download") as pool:
-                for _ in pool.map(lambda job: self._fetch_part(upload, *job, progress, frames), jobs):
+                for _ in pool.map(lambda job: self._fetch_part(upload, job[0], job[1], progress, frames), jobs):
                     pass
             for fd in fds:
                 os.fsync(fd)
@@ -430,7 +431,7 @@ class RemoteTier:
         except (CheckpointNotFoundError, ManifestError):
             return set()
 
-    def referenced(self, exclude: set[int] = frozenset(), cached: bool = True) -> set[str] | None:
+    def referenced(self, exclude: AbstractSet[int] = frozenset(), cached: bool = True) -> set[str] | None:
         """Every object a committed step other than ``exclude`` names; None when a committed
         step's marker cannot be parsed (what it names is unknown: nothing may be deleted)."""
         names: set[str] = set()

@@ -57,10 +57,23 @@ class Restorer:
         self.targets = Targets()
         self._uploads: dict[int, Any] = {}
 
+    @property
+    def _tier(self) -> RemoteTier:
+        """The remote, on paths that run only when there is one."""
+        if self.remote is None:
+            raise CheckpointNotFoundError(f"{self.local.root}: no remote is configured")
+        return self.remote
+
+    @property
+    def _group(self) -> RankGroup:
+        """The rank group, on paths that run only with many ranks."""
+        assert self.ranks is not None, "a many-rank path ran in one process"
+        return self.ranks
+
     def _upload(self, step: int):
         """The remote's upload manifest of ``step``, asked once per restore."""
         if step not in self._uploads:
-            self._uploads[step] = self.remote.upload_manifest(step)
+            self._uploads[step] = self._tier.upload_manifest(step)
         return self._uploads[step]
 
     def restore(self, step: int | None, reshard: bool = False, targets: Targets | None = None
@@ -150,7 +163,7 @@ class Restorer:
     def _agreed(self, local_steps: list[int], remote_steps: RemoteSteps) -> list[int]:
         """Many ranks: only a step that every rank can restore, newest first."""
         candidates = sorted(set(local_steps) | set(remote_steps.dirs()))
-        every = self.ranks.all_gather_json(candidates)
+        every = self._group.all_gather_json(candidates)
         agreed = sorted(set.intersection(*map(set, every)), reverse=True)
         if not agreed and any(every):
             raise CheckpointNotFoundError(f"no step is available to every rank (per rank: "
@@ -276,7 +289,7 @@ class Restorer:
                 fetcher = SparseFetch(self.remote, upload or self._upload(step), rank, tmp / entry.path)
                 opened.append(PieceFile(tmp / entry.path, entry, self.verify, ensure=fetcher.ensure))
                 return opened[-1]
-            where = here if here is not None else self.remote.where(layout.step_dir_name(step))
+            where = here if here is not None else self._tier.where(layout.step_dir_name(step))
             try:
                 yield manifest, open_file, str(where)
             finally:
@@ -293,7 +306,7 @@ class Restorer:
             result = fn()
         except Exception as exc:  # noqa: BLE001 - reported to every rank
             error = exc
-        outcomes = self.ranks.all_gather_json(
+        outcomes = self._group.all_gather_json(
             {"error": f"{type(error).__name__}: {error}", "refused": _refusal(error)} if error else None)
         failed = [(r, o) for r, o in enumerate(outcomes) if o]
         every_refused = all(o["refused"] for _, o in failed)
@@ -302,9 +315,9 @@ class Restorer:
                 raise DistributedCommitError(f"{what}: {error}; and another rank failed for good") from error
             raise error
         if failed:
-            exc = DistributedCommitError(f"{what}: rank {failed[0][0]} failed ({failed[0][1]['error']})")
-            exc.refused = every_refused
-            raise exc
+            refusal = DistributedCommitError(f"{what}: rank {failed[0][0]} failed ({failed[0][1]['error']})")
+            refusal.refused = every_refused  # type: ignore[attr-defined]
+            raise refusal
         return result
 
     def _load_rank(self, step: int, local_steps: list[int], remote_steps: list[int]) -> Any:
@@ -312,7 +325,7 @@ class Restorer:
         path = self.local.step_path(step)
         if step in local_steps:
             try:
-                return load_rank(path, self.rank, self.ranks.world_size, self.verify)
+                return load_rank(path, self.rank, self._group.world_size, self.verify)
             except CorruptCheckpointError as exc:
                 if step not in remote_steps:
                     raise
@@ -341,7 +354,7 @@ class Restorer:
                 fsync_dir(path)
         if self.node_leader:
             self.local.update_latest()
-        return load_rank(path, self.rank, self.ranks.world_size, self.verify)
+        return load_rank(path, self.rank, self._group.world_size, self.verify)
 
     def _load_single(self, step: int, local_steps: list[int], remote_steps: list[int]) -> Any:
         """The local copy if present and it verifies; else the remote copy, downloaded first."""
@@ -354,9 +367,9 @@ class Restorer:
             if upload.shard_manifest.layout == "dtensor":
                 return self._load_assembled(step, [], remote_steps)
             with scratch_dir(None) as tmp:
-                self.remote.fetch_files(upload, upload.files, tmp)
+                self._tier.fetch_files(upload, upload.files, tmp)
                 return load_sharded_files(tmp, upload.shard_manifest, self.verify)[0]
-        self.local.download(step, self.remote, verify=self.verify)
+        self.local.download(step, self._tier, verify=self.verify)
         _not_a_folder(self.local, step)
         if self.local.manifest(step).layout == "dtensor":
             return self._load_assembled(step, [step], remote_steps)
@@ -396,12 +409,12 @@ class Restorer:
         if self._from_local(step, local_steps, remote_steps, from_local)[0]:
             return
         upload = self._upload(step)
-        folder.require_folder(upload.shard_manifest, self.remote.where(layout.step_dir_name(step)))
+        folder.require_folder(upload.shard_manifest, self._tier.where(layout.step_dir_name(step)))
         if self.read_only:  # a reader writes nothing into the run: a private temp dir, dropped after
             with scratch_dir(None) as tmp:
-                self.remote.fetch_files(upload, upload.files, tmp)
+                self._tier.fetch_files(upload, upload.files, tmp)
                 return folder.materialize(tmp, upload.shard_manifest, to)
-        self.local.download(step, self.remote, verify=self.verify)
+        self.local.download(step, self._tier, verify=self.verify)
         return folder.materialize(self.local.step_path(step), self.local.manifest(step), to)
 
     def _scratch(self, step: int):
@@ -409,9 +422,9 @@ class Restorer:
 
     def _fetch_shard(self, upload, entry, dest: Path) -> None:
         """One rank's shard from the remote into ``dest``, its crc32c checked."""
-        self.remote.fetch_files(upload, [upload.files[entry.rank]], dest)
+        self._tier.fetch_files(upload, [upload.files[entry.rank]], dest)
         if _bad(dest, entry):
-            raise CorruptCheckpointError(f"{self.remote.where(layout.step_dir_name(upload.step), entry.path)}: "
+            raise CorruptCheckpointError(f"{self._tier.where(layout.step_dir_name(upload.step), entry.path)}: "
                                          f"crc32c differs from the manifest's {entry.crc32c}")
 
 

@@ -35,12 +35,12 @@ class PartBody(io.BytesIO):
     def __len__(self) -> int:
         return len(self._view)
 
-    def read(self, size: int | None = -1) -> memoryview:
+    def read(self, size: int | None = -1) -> memoryview:  # type: ignore[override]  # views, never copies
         end = len(self._view) if size is None or size < 0 else min(len(self._view), self._pos + size)
         start, self._pos = self._pos, max(self._pos, end)
         return self._view[start:self._pos]
 
-    read1 = read
+    read1 = read  # type: ignore[assignment]
 
     def readinto(self, buffer) -> int:
         chunk = self.read(len(memoryview(buffer).cast("B")))

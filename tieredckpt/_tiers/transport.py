@@ -500,11 +500,11 @@ def _server_age(response: dict) -> float | None:
     """Seconds since an S3 object was written, by the server's clock alone (Date - Last-Modified)."""
     from email.utils import parsedate_to_datetime
     date = (response.get("ResponseMetadata", {}).get("HTTPHeaders", {}) or {}).get("date")
-    modified = response.get("LastModified")
-    if not date or not hasattr(modified, "timestamp"):
+    stamp = getattr(response.get("LastModified"), "timestamp", None)
+    if not date or stamp is None:
         return None
     try:
-        return max(0.0, parsedate_to_datetime(date).timestamp() - modified.timestamp())
+        return max(0.0, parsedate_to_datetime(date).timestamp() - stamp())
     except (TypeError, ValueError):
         return None
 
@@ -518,6 +518,8 @@ def _disk_conditional(path: str, data: bytes | None, version: str | None) -> str
     directory = os.path.dirname(path)
     os.makedirs(directory, exist_ok=True)
     if version is None:
+        if data is None:
+            raise ValueError(f"{path}: nothing to create (a delete needs the version it deletes)")
         tmp = f"{path}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
         _write_synced(tmp, data)
         try:
@@ -640,7 +642,7 @@ def _quiet_orphaned_body_writers(loop: asyncio.AbstractEventLoop) -> None:
             previous(loop, context)
         else:
             loop.default_exception_handler(context)
-    handler._tieredckpt = True
+    handler._tieredckpt = True  # type: ignore[attr-defined]
     loop.set_exception_handler(handler)
 
 
@@ -675,8 +677,9 @@ def _mtime(info: dict) -> float | None:
     """An object's modification time in Unix seconds, from whichever key the backend uses."""
     for key in ("LastModified", "mtime", "last_modified", "updated", "created"):
         value = info.get(key)
-        if hasattr(value, "timestamp"):
-            return value.timestamp()
+        stamp = getattr(value, "timestamp", None)
+        if stamp is not None:
+            return stamp()
         if isinstance(value, (int, float)):
             return float(value)
     return None

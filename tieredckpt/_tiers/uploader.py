@@ -64,9 +64,9 @@ class Uploader:
                  mode: str = "newest", max_pending: int | None = 2, backoff: tuple[float, float] = (0.5, 10.0),
                  slow_retry: float = 60.0, audit_interval: float = 60.0, keep_remote: Policy | None = None,
                  lease: WriterLease | None = None, on_uploaded: Callable[[int], None] | None = None,
-                 on_error: Callable[[int, Exception], None] | None = None,
+                 on_error: Callable[[int | None, Exception], None] | None = None,
                  progress: Callable[[int], None] | None = None, ranks=None,
-                 before_commit: Callable[[int], None] | None = None) -> None:
+                 before_commit: Callable[[int], object] | None = None) -> None:
         if mode not in MODES:
             raise ValueError(f"uploads must be one of {MODES}, got {mode!r}")
         self.local, self.remote = local, remote
@@ -164,7 +164,7 @@ class Uploader:
         The newest uploaded step stays until the remote was seen holding it within the
         last two audit intervals (so a wiped remote never costs the last good copy)."""
         with self._cond:
-            owed = self._pending | ({self._current} - {None})
+            owed = self._pending | ({self._current} if self._current is not None else set())
             if not self._known:  # the remote not asked yet: what was superseded, and what the last
                 believed = self._believed - {max(self._believed, default=None)}  # run saw uploaded
                 return (self.superseded | believed | self._downloaded | self._lagging(owed)) - owed
@@ -525,10 +525,11 @@ class Uploader:
 
     # ---- rank 0's housekeeping --------------------------------------------------------------
 
-    def _prepare(self, step: int) -> tuple[str, bool] | None:
+    def _prepare(self, step: int) -> tuple[str | None, bool] | None:
         """Rank 0, before any part of ``step`` is sent: note it in our lease record (a fenced write:
         a writer that lost the lease stops here) and clear another timeline's step of that number.
         None, or (error, transient) for the round."""
+        assert self.lease is not None  # rank 0 holds the lease
         try:
             self.lease.note_sending(step)
             self._clear_foreign(step)
@@ -672,7 +673,7 @@ class Uploader:
 
     def _delay(self) -> float:
         with self._cond:
-            permanent = bool(self._last_error) and not self._last_error["transient"]
+            permanent = self._last_error is not None and not self._last_error["transient"]
             n = max(0, self._failed_rounds - 1)
         return self.slow_retry if permanent else min(self.backoff[1], self.backoff[0] * 2 ** min(n, 30))
 
