@@ -64,9 +64,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--params", type=int, default=120_000_000)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--json", help="write the figures here as JSON (benchmarks/plot.py draws them)")
     args = p.parse_args()
     torch.set_num_threads(1)  # CPU seconds of one encoder, as the uploader's thread spends them
-    rows = []
+    rows, figures = [], []
     with tempfile.TemporaryDirectory(prefix="bench-codec-") as root:
         for dtype in (torch.float32, torch.bfloat16, torch.float16):
             name = str(dtype).split(".")[1]
@@ -85,9 +86,15 @@ def main() -> None:
                              f"{median(enc):.2f} [{min(enc):.2f}-{max(enc):.2f}]",
                              f"{median(dec):.2f} [{min(dec):.2f}-{max(dec):.2f}]"])
                 print("  ", " | ".join(rows[-1]), flush=True)
+                figures.append({"dtype": name, "codec": codec, "raw": nbytes, "stored": stored,
+                                "encode_s_per_gb": enc, "decode_s_per_gb": dec})
     print()
     print(table(rows, ("dtype", "raw GB", "codec", "stored/raw", "encode CPU s/GB", "decode CPU s/GB")))
     print(f"\n{time.strftime('%Y-%m-%d %H:%M')}; targets: bf16 and fp16 <= 0.75x raw, fp32 <= 0.84x")
+    if args.json:
+        import json
+        with open(args.json, "w") as f:
+            json.dump({"params": args.params, "part": PART, "rows": figures}, f, indent=1)
 
 
 if __name__ == "__main__":

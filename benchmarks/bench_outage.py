@@ -63,6 +63,20 @@ def one_run(server, proxy, bucket, state, args, uploads: str, outage: float) -> 
                             upload_backoff=(0.5, 5.0, 30.0))
     blocks = {"normal": [], "outage": []}
     step, most_local = 0, 0
+    t0 = time.monotonic()
+    saves: list[list] = []  # [seconds since start, step, seconds save() blocked]
+    newest: list[list] = []  # [seconds since start, the loop's newest step, the remote's newest step]
+    polling = threading.Event()
+
+    def poll() -> None:  # what a user watching both tiers would see, twice a second
+        while not polling.wait(0.5):
+            try:
+                remote_newest = direct.newest_step()
+            except Exception:  # noqa: BLE001 - the poller reads moto directly; a hiccup is a gap
+                continue
+            newest.append([time.monotonic() - t0, step, remote_newest or 0])
+    poller = threading.Thread(target=poll, daemon=True)
+    poller.start()
     try:
         def train(phase: str, seconds: float | None, count: int | None = None) -> None:
             nonlocal step, most_local
@@ -75,6 +89,7 @@ def one_run(server, proxy, bucket, state, args, uploads: str, outage: float) -> 
                 start = time.perf_counter()
                 handle = store.save(step, state)
                 blocks[phase].append(time.perf_counter() - start)
+                saves.append([time.monotonic() - t0, step, blocks[phase][-1]])
                 handle.wait()
                 most_local = max(most_local, len(store.local.steps())) if phase == "outage" else most_local
                 time.sleep(args.interval)
@@ -84,12 +99,16 @@ def one_run(server, proxy, bucket, state, args, uploads: str, outage: float) -> 
         store.wait(uploads=True, timeout=600)
         returned: list[float] = []
 
+        window: list[float] = []
+
         def outage_schedule() -> None:  # by the clock, whatever the loop is doing
+            window.append(time.monotonic() - t0)
             for mode in MODES:
                 proxy.set(mode)
                 time.sleep(outage / len(MODES))
             proxy.clear()
             returned.append(time.monotonic())
+            window.append(returned[0] - t0)
         schedule = threading.Thread(target=outage_schedule)
         schedule.start()
         train("outage", outage)
@@ -97,11 +116,14 @@ def one_run(server, proxy, bucket, state, args, uploads: str, outage: float) -> 
         while direct.newest_step() != step:
             time.sleep(0.05)
         caught_up = time.monotonic() - returned[0]
+        time.sleep(1.0)  # the poller sees the caught-up remote
         store.close()
     finally:
+        polling.set()
         proxy.clear()
         shutil.rmtree(run_dir, ignore_errors=True)
-    return {"normal": blocks["normal"], "outage": blocks["outage"], "local": most_local, "catch_up": caught_up}
+    return {"normal": blocks["normal"], "outage": blocks["outage"], "local": most_local, "catch_up": caught_up,
+            "uploads": uploads, "outage_window": window, "modes": list(MODES), "saves": saves, "newest": newest}
 
 
 def exit_child(url: str, endpoint: str, run_dir: str, params: int) -> None:
@@ -155,6 +177,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--all-mode", action="store_true", help="also measure uploads='all' (blocks by design)")
     p.add_argument("--exit-runs", type=int, default=0, help="measure SIGTERM's exit with a hanging remote instead")
+    p.add_argument("--json", help="write every run's figures and timeline here as JSON (benchmarks/plot.py draws them)")
     args = p.parse_args()
     if args.exit_runs:
         return exit_main(args)
@@ -163,13 +186,14 @@ def main() -> None:
           f"outage {args.outage:g} s ({', '.join(MODES)}); keep_local={args.keep}", flush=True)
     server = MotoServer().start()
     proxy = FaultProxy(server.endpoint).start()
-    rows = []
+    rows, runs = [], []
     try:
         plans = [("newest", args.outage)] * args.repeats
         if args.all_mode:
             plans += [("all", args.outage / 3)]
         for i, (uploads, outage) in enumerate(plans):
             r = one_run(server, proxy, f"outage-{i}", state, args, uploads, outage)
+            runs.append(r)
             normal, during = max(r["normal"]), max(r["outage"])
             rows.append((f"{i + 1} uploads={uploads}", f"{outage:.0f}", f"{statistics.median(r['normal']) * 1e3:.0f}",
                          f"{normal * 1e3:.0f}", f"{statistics.median(r['outage']) * 1e3:.0f}",
@@ -181,6 +205,11 @@ def main() -> None:
         server.kill()
     print()
     print(table(rows, HEADERS))
+    if args.json:
+        import json
+        with open(args.json, "w") as f:
+            json.dump({"params": args.params, "bytes": state_bytes(state), "interval": args.interval,
+                       "keep_local": args.keep, "runs": runs}, f, indent=1)
 
 
 def exit_main(args) -> None:

@@ -80,6 +80,7 @@ def main() -> None:
     p.add_argument("--params", type=int, default=120_000_000)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dir", default=None)
+    p.add_argument("--json", help="write the figures here as JSON (benchmarks/plot.py draws them)")
     args = p.parse_args()
     state = model_adamw_state(args.params)
     nbytes = state_bytes(state)
@@ -151,6 +152,13 @@ def main() -> None:
     overlap_s = median([r[0] for r in results["CheckpointStore.save(overlap=True)"]])
     print(f"  with overlap=True the loop waits {overlap_s / floor_s:.3f}x the copy (target <= 0.1x); the copy "
           "runs on the writer thread while the loop computes, and the optimizer's next step() waits for it")
+    if args.json:
+        import json
+        keys = ("blocked", "durable", "peak_extra")
+        out = {"bytes": nbytes, "params": args.params, "first_save": dict(zip(keys, first)),
+               "methods": {name: [dict(zip(keys, r)) for r in rs] for name, rs in results.items()}}
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
 
 
 def live_objects(state: dict) -> dict:

@@ -76,15 +76,19 @@ def check(run_dir: str, store: bool = False) -> tuple[list[int], str | None]:
 
 
 def main() -> None:
+    global NUMEL
     parser = argparse.ArgumentParser()
     parser.add_argument("run_dir")
     parser.add_argument("--trials", type=int, default=50)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--store", action="store_true", help="save through CheckpointStore (see above)")
+    parser.add_argument("--numel", type=int, default=1 << 20,
+                        help="elements per tensor (3 << 20: 36 MiB shards, written with O_DIRECT, see directwrite.py)")
     parser.add_argument("--mid-write", type=int, default=0,
                         help="after --trials, go on (up to 3x as many) until this many kills landed mid-save: "
                              "where they land depends on the machine's speed, the count must not")
     args = parser.parse_args()
+    NUMEL = args.numel  # the forked children and the checks see the same
     torch.set_num_threads(1)  # no intra-op thread pool in the parent: a forked child could not use it
     if args.store:
         import tieredckpt._loop.store  # noqa: F401 - imported before forking: the children save at once

@@ -30,6 +30,7 @@ from ..errors import ChecksumMismatchError, CorruptCheckpointError, UnsupportedS
 from . import tree
 from .atomic import write_all
 from .checksum import CHUNK, Digest, StreamDigest, crc32c_update, crc_hex, digest_buffer
+from .directwrite import MIN_DIRECT, enable_direct, write_direct
 from .memview import byte_view
 from .phases import phase
 from .safefile import open_checked
@@ -79,30 +80,35 @@ def write_flattened(path, skeleton, tensors: list[torch.Tensor], names: list[str
     order = sorted(range(len(tensors)), key=lambda i: (i in pieces, -tensors[i].element_size()))
     crcs = [block_crcs(a) for a in arrays] if pieces else None
     header_bytes = _encode_header(skeleton, tensors, names, order, crcs)
-    digest = StreamDigest(sha256=sha256)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
-        _emit(fd, digest, memoryview(header_bytes))
-        for i in order:
-            _emit(fd, digest, arrays[i])
+        parts = [memoryview(header_bytes), *(arrays[i] for i in order)]  # the file, in order
+        if sum(map(len, parts)) >= MIN_DIRECT and enable_direct(fd):
+            done = write_direct(fd, parts, sha256)  # past the page cache (see directwrite.py)
+        else:
+            done = _write_buffered(fd, parts, sha256)
         with phase("fsync"):
             os.fsync(fd)  # durable before anyone may name this file in a manifest
-    except BaseException:
-        digest.abort()
-        raise
     finally:
         os.close(fd)
-    done = digest.finish()
     if pieces:  # read piece by piece, the header is checked on its own against the manifest
         done = dataclasses.replace(done, header_crc32c=crc_hex(crc32c_update(header_bytes)))
     return done
 
 
-def _emit(fd: int, digest: StreamDigest, view: memoryview) -> None:
-    for start in range(0, len(view), CHUNK):
-        chunk = view[start:start + CHUNK]
-        digest.update(chunk)
-        write_all(fd, chunk)
+def _write_buffered(fd: int, pieces: list[memoryview], sha256: bool) -> Digest:
+    """Through the page cache, straight from the tensors' memory, checksummed beside the writes."""
+    digest = StreamDigest(sha256=sha256)
+    try:
+        for view in pieces:
+            for start in range(0, len(view), CHUNK):
+                chunk = view[start:start + CHUNK]
+                digest.update(chunk)
+                write_all(fd, chunk)
+    except BaseException:
+        digest.abort()
+        raise
+    return digest.finish()
 
 
 def _as_bytes(t: torch.Tensor, name: str) -> memoryview:
