@@ -12,6 +12,11 @@ CheckpointStore with an s3:// remote (moto in its own process, bodies in memory)
              frozen; AdamW trains the last block and the head, so the frozen weights are
              ~75% of the checkpoint's bytes. Reported: bytes sent by checkpoints 2.. as a
              ratio of the first's (target <= 0.3x).
+  fork:      (``--fork-params``, default 120M: 1.44 GB with AdamW) one step uploaded, then
+             ``store.fork(step, dir, remote=...)`` onto another prefix of the bucket: the
+             request bodies the client sends (counted by the test suite's proxy in front of
+             moto) against the step's bytes (target <= 1%), and the fork's wall time against
+             the step's upload.
 
 Client CPU is this process's user+system time during the upload (moto's CPU is its own).
 """
@@ -33,6 +38,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 sys.path.insert(0, os.path.join(HERE, "..", "examples"))
+from faultproxy import FaultProxy  # noqa: E402
 from s3server import MotoServer  # noqa: E402
 
 import tieredckpt._tiers.objects as objects  # noqa: E402
@@ -92,18 +98,46 @@ def run(server: MotoServer, n_params: int, checkpoints: int, frozen: bool, alone
     return rows
 
 
+def fork(server, params: int) -> dict:
+    """Upload one step of ``params`` parameters + AdamW, then fork it onto a new prefix."""
+    from common import model_adamw_state
+    proxy = FaultProxy(server.endpoint).start()
+    try:
+        server.make_bucket("fork")
+        options = {**server.options(), "endpoint_url": proxy.endpoint}
+        state = model_adamw_state(params)
+        with tempfile.TemporaryDirectory(prefix="bench-fork-") as root, \
+                CheckpointStore(os.path.join(root, "run"), "s3://fork/run", remote_options=options) as store:
+            start = time.perf_counter()
+            store.save(1, state).wait()
+            assert store.wait(uploads=True, timeout=3600)
+            upload_s = time.perf_counter() - start
+            step_bytes = store.remote.upload_manifest(1).stored_size
+            before, start = proxy.body_bytes, time.perf_counter()
+            store.fork(1, os.path.join(root, "fork"), remote="s3://fork/fork")
+            return {"step_bytes": step_bytes, "fork_sent": proxy.body_bytes - before,
+                    "fork_s": time.perf_counter() - start, "upload_s": upload_s}
+    finally:
+        proxy.close()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--params", type=int, default=20_000_000)
     p.add_argument("--checkpoints", type=int, default=5)
+    p.add_argument("--fork-params", type=int, default=120_000_000)
+    p.add_argument("--only-fork", action="store_true", help="measure the fork alone")
     p.add_argument("--json", help="write the figures here")
     args = p.parse_args()
     server = MotoServer().start()
     try:
+        if args.only_fork:
+            return print_fork(fork(server, args.fork_params), args.json)
         out = {
             "trainable_aligned": run(server, args.params, 2, False, objects.ALONE),
             "trainable_64mib": run(server, args.params, 2, False, 1 << 62),
             "frozen": run(server, 10 * 12 * 768 * 768, args.checkpoints, True, objects.ALONE),
+            "fork": fork(server, args.fork_params),
         }
     finally:
         server.kill()
@@ -119,8 +153,17 @@ def main() -> None:
         print(f"  step {row['step']}: sent {row['sent'] / 1e6:.1f} MB of {row['referenced'] / 1e6:.1f} MB "
               f"referenced ({row['sent'] / first['sent']:.3f}x the first); upload {row['wall_s']:.2f} s, "
               f"client CPU {row['cpu_s']:.2f} s")
+    print_fork(out["fork"], None)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
+
+
+def print_fork(f: dict, path: str | None) -> None:
+    print(f"fork of a {f['step_bytes'] / 1e9:.2f} GB step onto another prefix of the bucket: the client sent "
+          f"{f['fork_sent'] / 1e3:.1f} KB ({f['fork_sent'] / f['step_bytes']:.5%} of the step; target <= 1%) in "
+          f"{f['fork_s']:.2f} s, against {f['upload_s']:.2f} s for the step's upload")
+    if path:
+        Path(path).write_text(json.dumps({"fork": f}, indent=1))
 
 
 if __name__ == "__main__":

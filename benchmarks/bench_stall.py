@@ -13,6 +13,12 @@ and the peak extra memory (VmHWM above the RSS before the save).
 
 Before every timed run ~2.5x the state's size of fresh memory is touched
 (untimed): the warm-memory case (see shared/benchmarking.md).
+
+``--device cuda``: the state lives on the GPU; the floor is a device-to-host copy into
+pinned buffers (non-blocking, then one synchronize), the store stages into pinned buffers
+the same way, and DCP's ``async_save`` gets its pinned-memory stager (``DefaultStager``
+with pinned, non-blocking, asynchronous staging). Written for a machine with a GPU and not
+run on this one, which has none.
 """
 
 from __future__ import annotations
@@ -80,15 +86,19 @@ def main() -> None:
     p.add_argument("--params", type=int, default=120_000_000)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dir", default=None)
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the state lives (see above)")
     p.add_argument("--json", help="write the figures here as JSON (benchmarks/plot.py draws them)")
     args = p.parse_args()
-    state = model_adamw_state(args.params)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: torch sees no CUDA device here")
+    state = on_device(model_adamw_state(args.params), args.device)
     nbytes = state_bytes(state)
     print(f"state: {args.params / 1e6:.1f}M params -> {nbytes / 1e9:.3f} GB in {len(tensors_of(state))} tensors; "
           f"{args.repeats} interleaved repeats, warm memory, torch {torch.__version__}")
     root = tempfile.mkdtemp(prefix="bench-stall-", dir=args.dir)
     tensors = tensors_of(state)
-    buffers = [torch.empty_like(t) for t in tensors]
+    cuda = args.device == "cuda"
+    buffers = [torch.empty(t.shape, dtype=t.dtype, pin_memory=cuda) for t in tensors]
     store = CheckpointStore(os.path.join(root, "store"), keep_local=1, every=0)
     dcp_dir = os.path.join(root, "dcp")
     _init_single_rank_group()
@@ -96,7 +106,9 @@ def main() -> None:
 
     def floor():
         for b, t in zip(buffers, tensors):
-            b.copy_(t)
+            b.copy_(t, non_blocking=cuda)
+        if cuda:
+            torch.cuda.synchronize()
 
     def ours():
         step[0] += 1
@@ -118,15 +130,22 @@ def main() -> None:
     def dcp_async():
         import torch.distributed.checkpoint as dcp
         remove(dcp_dir)
-        future = dcp.async_save(state, checkpoint_id=dcp_dir)
-        return lambda: (future.result(), fsync_tree(dcp_dir))
+        if not cuda:
+            future = dcp.async_save(state, checkpoint_id=dcp_dir)
+            return lambda: (future.result(), fsync_tree(dcp_dir))
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+        stager = DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=False,
+                                              use_async_staging=True, use_non_blocking_copy=True))
+        response = dcp.async_save(state, checkpoint_id=dcp_dir, async_stager=stager)
+        return lambda: (response.upload_completion.result(), fsync_tree(dcp_dir), stager.close())
 
     floor()  # the floor's buffers are ours already: touch them once, untimed
     first = measure(ours, nbytes)  # allocates the staging buffers
     measure(ours_overlap, nbytes)  # and this store's
-    methods = {"copy into preallocated buffers (floor)": floor, "CheckpointStore.save": ours,
+    floor_name = "device-to-host copy into pinned buffers (floor)" if cuda else "copy into preallocated buffers (floor)"
+    methods = {floor_name: floor, "CheckpointStore.save": ours,
                "CheckpointStore.save(overlap=True)": ours_overlap,
-               "torch.save + fsync": torch_save, "dcp.async_save": dcp_async}
+               "torch.save + fsync": torch_save, "dcp.async_save" + (" (pinned stager)" if cuda else ""): dcp_async}
     results = {name: [] for name in methods}
     for rep in range(args.repeats):
         items = list(methods.items())
@@ -136,7 +155,7 @@ def main() -> None:
     overlapped.close()
     remove(root)
 
-    floor_s = median([r[0] for r in results["copy into preallocated buffers (floor)"]])
+    floor_s = median([r[0] for r in results[floor_name]])
     rows = [("CheckpointStore.save, first (allocates buffers)", f"{first[0]:.3f}", f"{first[0] / floor_s:.2f}x",
              f"{first[1]:.2f}", f"{first[2] / nbytes:.2f}")]
     for name, rs in results.items():
@@ -159,6 +178,17 @@ def main() -> None:
                "methods": {name: [dict(zip(keys, r)) for r in rs] for name, rs in results.items()}}
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
+
+
+def on_device(state, device: str):
+    """The state's tensors moved to ``device`` (its structure kept)."""
+    if isinstance(state, torch.Tensor):
+        return state.to(device)
+    if isinstance(state, dict):
+        return {k: on_device(v, device) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(on_device(v, device) for v in state)
+    return state
 
 
 def live_objects(state: dict) -> dict:

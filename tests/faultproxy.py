@@ -17,8 +17,8 @@ flipped). ``methods`` limits a fault to some HTTP methods, ``path`` to request p
 containing a substring, ``times`` to the next N requests that match.
 
 Requests that pass are forwarded over a keep-alive connection to the upstream and
-its answer relayed. Every request is counted (``counts``, by method) so tests can
-check how many requests an operation costs.
+its answer relayed. Every request is counted (``counts``, by method; ``body_bytes``, the
+bytes of their bodies) so tests can check how many requests and bytes an operation costs.
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ class FaultProxy:
         self._fault: dict | None = None
         self._cleared = threading.Event()
         self.counts: Counter = Counter()
+        self.body_bytes = 0  # request bodies passed to the proxy: what a client sent over the wire
         self.injected: Counter = Counter()
         self.log: list[tuple[str, str]] = []  # (method, path) of every request, in order
         self._stop = False
@@ -138,6 +139,7 @@ class FaultProxy:
                 method, target, headers, body = request
                 with self._lock:
                     self.counts[method] += 1
+                    self.body_bytes += len(body)
                     self.log.append((method, target.split("?")[0]))
                 mode = self._active(method, target)
                 if mode is not None:

@@ -26,6 +26,7 @@ from tieredckpt import CheckpointStore, KeepLast
 from tieredckpt._format.compare import first_difference
 from tieredckpt._tiers.objects import part_bounds
 from tieredckpt._tiers.remote import RemoteTier
+from tieredckpt.errors import CheckpointExistsError, CheckpointNotFoundError
 
 
 def frozen_model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -208,6 +209,54 @@ def test_another_run_on_the_bucket_rewriting_its_objects_never_touches_ours(tmp_
         other.fs.pipe_file(other.path(rel), b"rewritten")
     with CheckpointStore(tmp_path / "fresh", remote.url, remote_options=remote.options, read_only=True) as reader:
         assert first_difference(ours, reader.restore(mark_resume=False)) is None
+
+
+def test_a_fork_onto_the_same_storage_sends_no_step_bytes_and_outlives_the_parents_retention(tmp_path, proxied):
+    """fork(step, dir, remote=URL) copies the step's objects on the storage's side: the request bodies
+    that cross the wire (counted by the proxy in front of moto) are the manifests, <= 1% of the
+    step; the fork restores bit-identically on a fresh machine, a store opened on it sends nothing,
+    and the parent's retention deleting that step (then gc) never touches the fork's copies."""
+    model, opt = frozen_model()
+    child_url = proxied.url + "-fork"
+    states = {}
+    with CheckpointStore(tmp_path / "run", proxied.url, remote_options=proxied.options, keep_local=2,
+                         keep_remote=KeepLast(1), upload_part_size=1 << 20) as parent:
+        states[1] = checkpoint(model, opt, 1)
+        parent.save(1, states[1]).wait()
+        assert parent.wait(uploads=True, timeout=60)
+        step_bytes = parent.remote.upload_manifest(1).stored_size
+        before = proxied.proxy.body_bytes
+        parent.fork(1, tmp_path / "child", remote=child_url)
+        sent = proxied.proxy.body_bytes - before
+        assert sent <= 0.01 * step_bytes, (sent, step_bytes)
+        train(model, opt, 5)
+        for step in (2, 3):  # KeepLast(1): the parent deletes step 1 and every object only it named
+            states[step] = checkpoint(model, opt, step)
+            parent.save(step, states[step]).wait()
+            assert parent.wait(uploads=True, timeout=60)
+    parent_remote = RemoteTier(proxied.url, proxied.direct)
+    assert parent_remote.steps() == [3] and parent_remote.orphan_objects(grace=0) == ([], None)
+    child = RemoteTier(child_url, proxied.direct)
+    assert child.steps() == [1] and child.upload_manifest(1).sent_size == 0
+    assert_no_dangling(child)
+    with CheckpointStore(tmp_path / "fresh", child_url, remote_options=proxied.options, read_only=True) as reader:
+        assert first_difference(states[1], reader.restore(mark_resume=False)) is None
+    assert "provenance.json" in child.get_side_files(tmp_path / "sides")  # the run's history travels with it
+    assert json.loads((tmp_path / "sides" / "provenance.json").read_text())["parent_step"] == 1
+    before = proxied.proxy.body_bytes
+    with CheckpointStore(tmp_path / "child", child_url, remote_options=proxied.options) as store:
+        assert store.wait(uploads=True, timeout=60)
+    assert proxied.proxy.body_bytes - before <= 0.01 * step_bytes  # the step is there: not sent again
+
+
+def test_a_fork_needs_its_step_on_the_remote_and_a_new_remote_prefix(tmp_path, remote):
+    with CheckpointStore(tmp_path / "run", remote.url, remote_options=remote.options) as parent:
+        parent.save(1, {"w": torch.ones(3)}).wait()
+        assert parent.wait(uploads=True, timeout=60)
+        with pytest.raises(CheckpointNotFoundError, match="step 7 is not on this store's remote"):
+            parent.fork(7, tmp_path / "nope", remote=remote.url + "-x")
+        with pytest.raises(CheckpointExistsError, match="a fork's remote must be a new prefix"):
+            parent.fork(1, tmp_path / "child", remote=remote.url)  # its own remote holds step 1
 
 
 KILLED = textwrap.dedent("""

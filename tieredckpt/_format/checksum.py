@@ -61,7 +61,14 @@ def _gf2_square(mat: list[int]) -> list[int]:
     return [_gf2_times(mat, mat[n]) for n in range(32)]
 
 
-def crc32c_parallel(view: memoryview, threads: int = 2, min_split: int = 64 << 20) -> int:
+# Four threads on two cores: every crc32c pass here reads a mapped file, whose pages may have to
+# come from the disk first, and four threads keep twice the reads in flight. A cold 1.44 GB
+# shard: 0.48-0.50 s against 0.63-1.61 s with two threads; from the page cache 5-10 ms slower
+# (0.06 s either way).
+READ_THREADS = 4
+
+
+def crc32c_parallel(view: memoryview, threads: int = READ_THREADS, min_split: int = 64 << 20) -> int:
     """crc32c of a large buffer, its pieces checksummed on ``threads`` threads at once."""
     if len(view) < max(min_split, 1) or threads < 2:
         return _crc32c.crc32c(view)

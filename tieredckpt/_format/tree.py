@@ -9,6 +9,9 @@ decoding only builds dicts, lists, tuples and the tensors it is handed.
     node := null | bool | int | float | str
           | {"@t": i}                       tensor number i (two leaves may name one tensor:
                                             tied weights, stored once, restored as one)
+          | {"@v": [i, offset, shape, stride]}   a view of tensor i, which covers its whole
+                                            storage (offset and strides in its elements):
+                                            stored once, restored as a view of it
           | {"@l": [node, ...]}             list
           | {"@u": [node, ...]}             tuple
           | {"@d": [[key, node], ...]}      dict, key is a JSON scalar
@@ -48,7 +51,9 @@ class Staged:
 def flatten(state: Any) -> tuple[Any, list[torch.Tensor], list[str]]:
     """Split ``state`` into a JSON skeleton, its tensors, and a readable name per tensor."""
     flat = _Flattener()
-    return flat.walk(state, ()), flat.tensors, flat.names
+    skeleton = flat.walk(state, ())
+    flat.make_views()
+    return skeleton, flat.tensors, flat.names
 
 
 class _Flattener:
@@ -60,6 +65,8 @@ class _Flattener:
         self.names: list[str] = []
         self.used: set[str] = set()
         self.aliases: dict[tuple, int] = {}  # the same view of the same storage -> its index
+        self.nodes: list[list[dict]] = []  # per tensor, the skeleton nodes naming it
+        self.storages: dict[tuple, list[int]] = {}  # (device, storage address, dtype) -> its tensors
 
     def name_for(self, path: tuple) -> str:
         base = "/".join(str(p) for p in path) or "tensor"
@@ -81,14 +88,10 @@ class _Flattener:
                 node["t"] = len(self.tensors) - 1
             return {PIECE_TAG: node}
         if isinstance(obj, torch.Tensor):
-            key = _alias_key(obj)
-            if key is not None and key in self.aliases:  # tied weights: stored once, restored shared
-                return {"@t": self.aliases[key]}
-            self.tensors.append(obj)
-            self.names.append(self.name_for(path))
-            if key is not None:
-                self.aliases[key] = len(self.tensors) - 1
-            return {"@t": len(self.tensors) - 1}
+            index = self.tensor(obj, path)
+            node = {"@t": index}
+            self.nodes[index].append(node)  # make_views may turn it into a view of another tensor
+            return node
         if isinstance(obj, _SCALARS):
             return _check_scalar(obj)
         if isinstance(obj, dict):
@@ -107,6 +110,55 @@ class _Flattener:
         )
 
 
+    def tensor(self, t: torch.Tensor, path: tuple) -> int:
+        """The index ``t`` is stored under: a tensor seen before (tied weights) keeps its own."""
+        key = _alias_key(t)
+        if key is not None and key in self.aliases:  # tied weights: stored once, restored shared
+            return self.aliases[key]
+        self.tensors.append(t)
+        self.names.append(self.name_for(path))
+        self.nodes.append([])
+        index = len(self.tensors) - 1
+        if key is not None:
+            self.aliases[key] = index
+            self.storages.setdefault((key[0], key[1], key[2], t.dtype), []).append(index)
+        return index
+
+    def make_views(self) -> None:
+        """Tensors viewing the storage of another tensor of the state that covers all of it,
+        contiguous from its start (a slice, a transpose or a reshape saved beside its base),
+        become ``{"@v": ...}`` nodes of that base and leave the list of tensors: their bytes
+        are the base's. In a state without such, this is one pass over a dict."""
+        gone: set[int] = set()
+        for indices in self.storages.values():
+            if len(indices) < 2:
+                continue
+            base = next((i for i in indices if _covers_storage(self.tensors[i])), None)
+            for i in indices if base is not None else ():
+                if i != base:
+                    t = self.tensors[i]
+                    for node in self.nodes[i]:
+                        node.clear()
+                        node["@v"] = [base, t.storage_offset(), list(t.shape), list(t.stride())]
+                    gone.add(i)
+        if gone:
+            self._compact(gone)
+
+    def _compact(self, gone: set[int]) -> None:
+        """Drop the tensors in ``gone`` and renumber every node."""
+        keep = [i for i in range(len(self.tensors)) if i not in gone]
+        new = {old: n for n, old in enumerate(keep)}
+        for old in keep:
+            for node in self.nodes[old]:
+                node["@t"] = new[old]
+        for old in gone:
+            for node in self.nodes[old]:
+                node["@v"][0] = new[node["@v"][0]]
+        self.tensors = [self.tensors[i] for i in keep]
+        self.names = [self.names[i] for i in keep]
+        self.nodes = [self.nodes[i] for i in keep]
+
+
 Fetch = Callable[[int, tuple], Any]
 OnPiece = Callable[[tuple, dict], Any]
 
@@ -121,6 +173,11 @@ def _alias_key(t: torch.Tensor) -> tuple | None:
     if ptr == 0:
         return None
     return (t.device.type, t.device.index, ptr, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+
+
+def _covers_storage(t: torch.Tensor) -> bool:
+    return t.is_contiguous() and t.storage_offset() == 0 and \
+        t.numel() * t.element_size() == t.untyped_storage().nbytes()
 
 
 def unflatten(skeleton: Any, tensors: list[torch.Tensor] | Fetch, source: str = "checkpoint", *,
@@ -189,6 +246,8 @@ class _Builder:
             raise self.bad(f"unexpected node {str(node)[:80]!r}")
         if "@t" in node:
             return self.fetch(self._index(node["@t"]), path)
+        if "@v" in node:
+            return self._view(node["@v"], path)
         if PIECE_TAG in node:
             if not isinstance(node[PIECE_TAG], dict):
                 raise self.bad("piece node does not hold an object")
@@ -204,6 +263,21 @@ class _Builder:
         if "@d" in node or "@o" in node:
             return self._dict(node, path)
         raise self.bad(f"unknown node tag {sorted(node)!r}")
+
+    def _view(self, spec: Any, path: tuple) -> Any:
+        """A view of a stored tensor, checked to lie inside it before it is made (untrusted)."""
+        if not (isinstance(spec, list) and len(spec) == 4 and type(spec[1]) is int and
+                all(isinstance(x, list) and len(x) <= 64 and all(type(v) is int and v >= 0 for v in x)
+                    for x in spec[2:]) and len(spec[2]) == len(spec[3]) and spec[1] >= 0):
+            raise self.bad(f"malformed view {str(spec)[:80]!r}")
+        base = self.fetch(self._index(spec[0]), path)
+        if not isinstance(base, torch.Tensor):  # a lazy reader's reference (DCP's writer makes no views)
+            raise self.bad(f"a view of tensor {spec[0]} where tensors are read lazily")
+        offset, shape, stride = spec[1], spec[2], spec[3]
+        last = offset + sum((n - 1) * st for n, st in zip(shape, stride)) if all(shape) else offset - 1
+        if not base.is_contiguous() or last >= base.numel():
+            raise self.bad(f"a view of tensor {spec[0]} reaches element {last}, past its {base.numel()}")
+        return base.as_strided(shape, stride, base.storage_offset() + offset)
 
     def _dict(self, node: dict, path: tuple) -> dict:
         pairs = node.get("@d", node.get("@o"))

@@ -890,10 +890,56 @@ class CheckpointStore(AbstractContextManager):
         self._check_writable()
         return self.run.pivot(step, note)
 
-    def fork(self, step: int, new_run_dir: str | os.PathLike) -> Path:
-        """Copy checkpoint ``step`` into a new run directory with its provenance."""
+    def fork(self, step: int, new_run_dir: str | os.PathLike, *, remote: str | None = None,
+             remote_options: dict | None = None) -> Path:
+        """Copy checkpoint ``step`` into a new run directory with its provenance.
+
+        With ``remote`` (the new run's remote: a new prefix on this store's remote storage, such as
+        another prefix of the same bucket), the step is committed there too, without sending its
+        bytes: the storage copies each of the step's objects itself (S3 CopyObject; a disk copies
+        the file), and only the manifests travel. The copies belong to the new run, so retention in
+        either run never breaks the other. The step must be on this store's remote already
+        (``wait(uploads=True)``); ``remote_options`` default to this store's. A store opened on the
+        new run with that remote finds the step there and sends nothing."""
         self._finish_pending()
-        return fork_run(self.local.root, step, new_run_dir)
+        if remote is None:
+            return fork_run(self.local.root, step, new_run_dir)
+        if self.remote is None or not self.remote.is_committed(step):
+            raise CheckpointNotFoundError(
+                f"fork(remote=...): step {step} is not on this store's remote "
+                f"({self.remote.display_url if self.remote else 'none configured'}); "
+                "wait(uploads=True) for it first")
+        return self._fork_remote(step, Path(new_run_dir), remote, remote_options)
+
+    def _fork_remote(self, step: int, new_run_dir: Path, url: str, options: dict | None) -> Path:
+        """Order: the new remote's lease taken and the remote found empty (nothing is written
+        anywhere before) -> the local fork -> the step's objects copied by the storage -> its
+        marker committed under that lease -> latest and the side files -> the lease let go. A crash
+        before the marker leaves objects no step names (``tieredckpt gc``), never a partial step."""
+        assert self.remote is not None
+        child = RemoteTier(url, self.remote.t.options if options is None else options,
+                           request_timeout=self.remote.t.request_timeout)
+        try:
+            _require_empty(child)  # before taking its lease: a live run's remote is refused for what it is
+            lease = WriterLease(child.t)
+            lease.acquire()
+            try:
+                _require_empty(child)  # and under it: nobody committed there meanwhile
+                root = fork_run(self.local.root, step, new_run_dir)
+                child.copy_step_from(self.remote, step, writer=lease.identity(), fence=lease.fence)
+                child.write_latest(step)
+                child.put_side_files(root)
+            finally:
+                lease.release()
+        finally:
+            child.close()
+        return root
+
+
+def _require_empty(remote: RemoteTier) -> None:
+    if remote.step_dirs():
+        raise CheckpointExistsError(f"{remote.display_url}: already holds checkpoints; a fork's remote must be "
+                                    "a new prefix")
 
 
 def _warn(message: str) -> None:

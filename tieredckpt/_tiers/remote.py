@@ -34,6 +34,7 @@ calls the filesystem itself.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import threading
@@ -206,6 +207,33 @@ class RemoteTier:
             return existing
         self._refs[manifest.step] = upload.objects()
         return upload
+
+    def copy_step_from(self, source: RemoteTier, step: int, writer: dict | None = None,
+                       fence: Callable[[], None] | None = None) -> UploadManifest:
+        """Commit ``source``'s step ``step`` here without sending its bytes: every object it names is
+        copied by the storage itself into our object store, under a name of ours, then the step's
+        upload manifest is committed as an upload's is (parts confirmed, a create-only marker;
+        ``fence`` first). The copies are ours: retention of either run never touches the other's.
+        Parts are recorded as not sent (bytes_sent counts what went over the wire)."""
+        if not self.t.same_store(source.t):
+            raise ValueError(f"{self.display_url} and {source.display_url} are not on one storage: a fork copies "
+                             "a step's objects on the storage's side; open the new run's store on the new remote "
+                             "instead, and its uploader sends the step")
+        upload = source.upload_manifest(step)
+        copied: dict[str, str] = {}
+        files = []
+        for f in upload.files:
+            parts = []
+            for part in f.parts:
+                rel = upload.part_rel(part)
+                if rel not in copied:
+                    copied[rel] = layout.object_name(part.raw_crc32c, part.raw_size)
+                    self.t.copy_from(source.t, rel, copied[rel], part.stored_size)
+                parts.append(dataclasses.replace(part, path=copied[rel], sent=False))
+            files.append(UploadedFile(f.path, f.size, parts))
+        if fence is not None:
+            fence()
+        return self.commit_upload(upload.shard_manifest, upload.codec, files, writer=writer)
 
     def committed_by(self, step: int) -> dict | None:
         """The writer identity recorded in a committed step's upload manifest (None: unrecorded)."""

@@ -376,6 +376,21 @@ class Transport:
                 out[path[len(base):]] = (int(info.get("size") or 0), _mtime(info))
         return out
 
+    def same_store(self, other: Transport) -> bool:
+        """Whether ``other`` reaches the same storage as we do (one S3 endpoint and account, or one
+        machine's disk), so that an object of its can be copied to us without passing through here."""
+        if self.protocol != other.protocol:
+            return False
+        keys = ("endpoint_url", "client_kwargs", "key", "profile")
+        return all(self.options.get(k) == other.options.get(k) for k in keys)
+
+    def copy_from(self, source: Transport, src_rel: str, rel: str, nbytes: int) -> None:
+        """Copy ``src_rel`` of ``source`` (``same_store``) to ``rel`` on the storage's side: S3
+        copies the object itself (CopyObject, in parts above 5 GB), a disk copies the file; no
+        byte of it is sent from this process."""
+        self._call("copy", (source.path(src_rel), self.path(rel)), f"copy {source.where(src_rel)} to {rel}",
+                   nbytes=nbytes)
+
     def rm(self, rel: str) -> None:
         """Delete one object; a missing one is fine."""
         try:
