@@ -75,16 +75,16 @@ def main() -> None:
         elif args.scenario == "kill":
             store.save(1, rank_state(1, rank)).wait()
             big = rank_state(2, rank, numel=12_000_000)  # several 16 MiB chunks per shard
-            if rank == world - 1:
-                import tieredckpt._format.shardfile as shardfile
-                real, calls = shardfile.write_all, []
+            if rank == world - 1:  # a 48 MB shard goes out through directwrite's I/O thread
+                import tieredckpt._format.directwrite as directwrite
+                real, calls = directwrite.write_block, []
 
                 def die_midway(fd, data):
                     calls.append(1)
                     if len(calls) == 3:
                         os.kill(os.getpid(), signal.SIGKILL)  # dies with its shard half written
-                    real(fd, data)
-                shardfile.write_all = die_midway
+                    return real(fd, data)
+                directwrite.write_block = die_midway
             try:
                 store.save(2, big).wait()
                 result["error"] = None

@@ -61,14 +61,14 @@ def test_a_direct_write_is_exactly_the_bytes_and_its_checksums_are_theirs(tmp_pa
 
 def test_a_filesystem_that_wants_another_alignment_gets_the_rest_through_the_page_cache(tmp_path, monkeypatch):
     parts, path = pieces(), tmp_path / "f"
-    real_write, calls = os.write, []
+    real_write, calls = directwrite.write_block, []
 
     def picky(fd, data):  # the second direct write is refused, as a disk with larger blocks would
         calls.append(len(data))
         if len(calls) == 2:
             raise OSError(errno.EINVAL, "Invalid argument")
         return real_write(fd, data)
-    monkeypatch.setattr(directwrite.os, "write", picky)
+    monkeypatch.setattr(directwrite, "write_block", picky)
     fd = new_file(path)
     direct_or_skip(fd)
     try:
@@ -81,14 +81,14 @@ def test_a_filesystem_that_wants_another_alignment_gets_the_rest_through_the_pag
 
 
 def test_a_full_disk_mid_write_raises_on_the_callers_thread_and_leaves_nothing_running(tmp_path, monkeypatch):
-    real_write, calls = os.write, []
+    real_write, calls = directwrite.write_block, []
 
     def full(fd, data):
         calls.append(1)
         if len(calls) == 2:
             raise OSError(errno.ENOSPC, "No space left on device")
         return real_write(fd, data)
-    monkeypatch.setattr(directwrite.os, "write", full)
+    monkeypatch.setattr(directwrite, "write_block", full)
     big = [byte_view(torch.zeros(80 * MB, dtype=torch.uint8))]  # five blocks: the caller waits for buffers
     fd = new_file(tmp_path / "f")
     direct_or_skip(fd)

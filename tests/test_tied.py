@@ -103,3 +103,16 @@ def test_views_go_through_the_store_s_staging_too(tmp_path):
 def test_a_hostile_view_node_is_refused_by_name(spec):
     with pytest.raises(CorruptCheckpointError, match="shard.bin: invalid state tree"):
         unflatten({"@d": [["v", {"@v": spec}]]}, [torch.zeros(50)], "shard.bin")
+
+
+def test_views_and_dtensor_pieces_in_one_state_keep_every_index_right():
+    # a flattened state mixing a piece's local tensor, a base and its views: the views leave the
+    # tensor list and every remaining reference (the piece's too) is renumbered
+    from tieredckpt._format.pieces import Chunk
+    from tieredckpt._format.tree import flatten
+    w = torch.randn(8, 4)
+    piece = Chunk(torch.arange(6.0), (12,), (6,))
+    skeleton, tensors, _ = flatten({"row": w[1], "piece": piece, "w": w, "col": w[:, 2], "b": torch.ones(2)})
+    back = unflatten(skeleton, tensors, "t", on_piece=lambda path, node: tensors[node["t"]])
+    assert len(tensors) == 3 and torch.equal(back["piece"], torch.arange(6.0))
+    assert torch.equal(back["row"], w[1]) and torch.equal(back["col"], w[:, 2]) and torch.equal(back["b"], torch.ones(2))

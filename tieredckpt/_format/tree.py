@@ -82,9 +82,10 @@ class _Flattener:
         if is_dtensor(obj) or isinstance(obj, Chunk):  # before Tensor: a DTensor is one
             local, node = describe(obj, _where(path))
             node["t"] = None
-            if local is not None:
+            if local is not None:  # a piece is never a view: it stays a tensor of its own
                 self.tensors.append(local)
                 self.names.append(self.name_for(path))
+                self.nodes.append([node])
                 node["t"] = len(self.tensors) - 1
             return {PIECE_TAG: node}
         if isinstance(obj, torch.Tensor):
@@ -150,7 +151,7 @@ class _Flattener:
         new = {old: n for n, old in enumerate(keep)}
         for old in keep:
             for node in self.nodes[old]:
-                node["@t"] = new[old]
+                node["@t" if "@t" in node else "t"] = new[old]  # a piece's node numbers it as "t"
         for old in gone:
             for node in self.nodes[old]:
                 node["@v"][0] = new[node["@v"][0]]
