@@ -75,7 +75,7 @@ def main() -> None:
         page = ["# CLI", "",
                 "`tieredckpt` inspects and manages runs, local or remote. Every command below ran as shown",
                 "(written by `docs/gen_cli.py` on a small run with a `file://` remote; paths shortened).",
-                "Exit status: 0 fine, 1 an error or a problem found, 2 bad usage, 130 interrupted; `--debug`",
+                "Exit status: 0 fine, 1 an error or a problem found, 2 bad usage, 130 interrupted, 141 the output pipe closed (`| head`); `--debug`",
                 "shows the traceback of an error.", "", "## A session", ""]
         for text, command in SESSION:
             if text:

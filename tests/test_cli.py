@@ -111,3 +111,15 @@ def test_plot_writes_a_png_of_the_loss_history(tmp_path):
     empty.mkdir()
     out = cli("plot", empty)
     assert out.returncode == 1 and "no loss entries" in out.stderr
+
+
+def test_output_into_a_closed_pipe_ends_quietly(run):
+    # `tieredckpt ls RUN | head -1`: once the reader is gone, no error and no traceback
+    read, write = os.pipe()
+    os.close(read)  # the reader left before the first line: the first write meets EPIPE
+    try:
+        done = subprocess.run([sys.executable, "-m", "tieredckpt.cli", "ls", str(run)], stdout=write,
+                              stderr=subprocess.PIPE, text=True, timeout=60)
+    finally:
+        os.close(write)
+    assert done.returncode == 141 and done.stderr == "", done.stderr

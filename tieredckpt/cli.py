@@ -50,6 +50,9 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args) or 0
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # `tieredckpt ls RUN | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
+        return 141
     except Exception as exc:  # noqa: BLE001 - the one place a user could meet a traceback
         if debug:
             traceback.print_exc()
@@ -60,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tieredckpt", description="Inspect and manage tieredckpt runs.",
-                                epilog="exit codes: 0 fine, 1 error or problem found, 2 bad usage, 130 interrupted")
+                                epilog="exit codes: 0 fine, 1 error or problem found, 2 bad usage, 130 interrupted, 141 output pipe closed")
     p.add_argument("--debug", action="store_true", help="show the traceback of an error")
     p.add_argument("--version", action="version", version=f"tieredckpt {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
