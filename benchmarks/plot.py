@@ -53,11 +53,7 @@ def lightning(results: Path, out: Path, plt) -> Path | None:
     repeats = sum(len(d["tiered"]) for d in data)
     fig.suptitle(f"Lightning checkpoints, {state:.2f} GB of state ({len(data)} runs, {repeats} repeats each plugin)",
                  fontsize=11)
-    fig.tight_layout()
-    path = out / "lightning.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, out, "lightning", plt)
 
 
 def files(results: Path, out: Path, plt) -> Path | None:
@@ -67,13 +63,14 @@ def files(results: Path, out: Path, plt) -> Path | None:
     fig, ax = plt.subplots(figsize=(7, 2.8))
     names = list(data[0]["folder"])
     values = {n: [statistics.median(d["folder"][n]) for d in data] for n in names}
-    mids, errs = zip(*((m, (lo, hi)) for m, lo, hi in (spread(values[n]) for n in names)))
-    ax.barh(names, mids, xerr=list(zip(*errs)), color="#2c7a3f", capsize=4)
-    ax.set_xlabel("seconds (median of runs; bars: min-max)")
-    ax.set_title(f"a {data[0]['folder_bytes'] / 1e9:.2f} GB checkpoint folder made durable", fontsize=10)
-    ax.invert_yaxis()
+    _bars(ax, names, values, "#2c7a3f", f"a {data[0]['folder_bytes'] / 1e9:.2f} GB checkpoint folder made durable",
+          "seconds (median of runs; bars: min-max)")
+    return _save(fig, out, "files", plt)
+
+
+def _save(fig, out: Path, name: str, plt) -> Path:
     fig.tight_layout()
-    path = out / "files.png"
+    path = out / f"{name}.png"
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
@@ -115,11 +112,7 @@ def local(results: Path, out: Path, plt) -> Path | None:
     state = data["warm"][0]["bytes"] / 1e9
     fig.suptitle(f"{state:.2f} GB of GPT-shaped fp32 state + AdamW: bars are the median of each run's median, "
                  "whiskers its spread", fontsize=9)
-    fig.tight_layout()
-    path = out / "local.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, out, "local", plt)
 
 
 def stall(results: Path, out: Path, plt) -> Path | None:
@@ -134,11 +127,7 @@ def stall(results: Path, out: Path, plt) -> Path | None:
           f"training loop blocked per checkpoint, {data[0]['bytes'] / 1e9:.2f} GB ({len(data)} runs)",
           "seconds (log scale)")
     ax.set_xscale("log")
-    fig.tight_layout()
-    path = out / "stall.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, out, "stall", plt)
 
 
 def codec(results: Path, out: Path, plt) -> Path | None:
@@ -162,11 +151,7 @@ def codec(results: Path, out: Path, plt) -> Path | None:
     ax.set_ylim(0, 1.32)
     ax.legend(fontsize=8, ncols=len(codecs) + 1, loc="upper center", frameon=False)
     ax.set_title("bytes sent to the remote per checkpoint, AdamW state after real training steps", fontsize=10)
-    fig.tight_layout()
-    path = out / "codec.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, out, "codec", plt)
 
 
 def outage(results: Path, out: Path, plt) -> Path | None:
@@ -194,11 +179,7 @@ def outage(results: Path, out: Path, plt) -> Path | None:
     bottom.set_ylabel("save() blocked (ms)")
     bottom.set_xlabel("seconds since the run started")
     bottom.set_ylim(0, max(b * 1e3 for b in blocked) * 1.3)
-    fig.tight_layout()
-    path = out / "outage.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, out, "outage", plt)
 
 
 CHARTS = {"local": local, "stall": stall, "codec": codec, "outage": outage, "lightning": lightning, "files": files}

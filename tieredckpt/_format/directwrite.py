@@ -113,12 +113,7 @@ class _Writer:
     def finish(self) -> Digest:
         if self.filled:
             self._hand_over(self.current, self.filled)
-        self.io_q.put(None)
-        if self.sha_q is not None:
-            self.sha_q.put(None)
-        for t in self.threads:
-            t.join()
-        self.threads = []
+        self._stop_threads()  # every block written and hashed
         if self.error is not None:
             raise self.error
         os.ftruncate(self.fd, self.size)  # the tail's padding goes: the file is exactly its bytes
@@ -126,6 +121,12 @@ class _Writer:
 
     def close(self) -> None:
         """Stop the threads (after an error in the caller too) and return the buffers to the pool."""
+        self._stop_threads()
+        self.views = []
+        _give_back(self.buffers)
+
+    def _stop_threads(self) -> None:
+        """The threads finish what is queued (the I/O thread skips writing after an error) and end."""
         if self.threads:
             self.io_q.put(None)
             if self.sha_q is not None:
@@ -133,8 +134,6 @@ class _Writer:
             for t in self.threads:
                 t.join()
             self.threads = []
-        self.views = []
-        _give_back(self.buffers)
 
     def _hand_over(self, i: int, n: int) -> None:
         view = self.views[i]
