@@ -110,7 +110,6 @@ class _Flattener:
             "(convert it, e.g. numpy arrays with torch.from_numpy)"
         )
 
-
     def tensor(self, t: torch.Tensor, path: tuple) -> int:
         """The index ``t`` is stored under: a tensor seen before (tied weights) keeps its own."""
         key = _alias_key(t)
