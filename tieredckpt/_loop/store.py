@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import threading
 import time
 import warnings
@@ -914,8 +915,13 @@ class CheckpointStore(AbstractContextManager):
     def _fork_remote(self, step: int, new_run_dir: Path, url: str, options: dict | None) -> Path:
         """Order: the new remote's lease taken and the remote found empty (nothing is written
         anywhere before) -> the local fork -> the step's objects copied by the storage -> its
-        marker committed under that lease -> latest and the side files -> the lease let go. A crash
-        before the marker leaves objects no step names (``tieredckpt gc``), never a partial step."""
+        marker committed under that lease -> latest and the side files -> the lease let go.
+
+        All or nothing up to the marker: if the copy or the commit fails, the local fork this call
+        made is removed again, so the same call can be retried; the remote keeps only objects no
+        step names (``tieredckpt gc``), never a partial step. After the marker the fork exists in
+        both places: a failure of latest or the side files is warned of, not raised (the new run's
+        store writes both with its next upload)."""
         assert self.remote is not None
         child = RemoteTier(url, self.remote.t.options if options is None else options,
                            request_timeout=self.remote.t.request_timeout)
@@ -926,14 +932,26 @@ class CheckpointStore(AbstractContextManager):
             try:
                 _require_empty(child)  # and under it: nobody committed there meanwhile
                 root = fork_run(self.local.root, step, new_run_dir)
-                child.copy_step_from(self.remote, step, writer=lease.identity(), fence=lease.fence)
-                child.write_latest(step)
-                child.put_side_files(root)
+                try:
+                    child.copy_step_from(self.remote, step, writer=lease.identity(), fence=lease.fence)
+                except BaseException:
+                    shutil.rmtree(root, ignore_errors=True)  # ours, made above: nothing of the user's is in it
+                    raise
+                _finish_fork(child, step, root)
             finally:
                 lease.release()
         finally:
             child.close()
         return root
+
+
+def _finish_fork(child: RemoteTier, step: int, root: Path) -> None:
+    try:
+        child.write_latest(step)
+        child.put_side_files(root)
+    except RemoteError as exc:
+        _warn(f"fork: step {step} is committed on {child.display_url} and in {root}, but its latest pointer or "
+              f"side files were not written ({exc}); a store opened on the new run writes them with its next upload")
 
 
 def _require_empty(remote: RemoteTier) -> None:
