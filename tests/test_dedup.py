@@ -26,7 +26,7 @@ from tieredckpt import CheckpointStore, KeepLast
 from tieredckpt._format.compare import first_difference
 from tieredckpt._tiers.objects import part_bounds
 from tieredckpt._tiers.remote import RemoteTier
-from tieredckpt.errors import CheckpointExistsError, CheckpointNotFoundError
+from tieredckpt.errors import CheckpointExistsError, CheckpointNotFoundError, RemoteError
 
 
 def frozen_model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -258,6 +258,73 @@ def test_a_fork_needs_its_step_on_the_remote_and_a_new_remote_prefix(tmp_path, r
         with pytest.raises(CheckpointExistsError, match="a fork's remote must be a new prefix"):
             parent.fork(1, tmp_path / "child", remote=remote.url)  # its own remote holds step 1
 
+
+
+def test_a_fork_whose_copy_fails_leaves_nothing_behind_and_can_be_retried(tmp_path, proxied):
+    """The storage refuses the copies mid-fork (after the local fork and the new remote's lease): the
+    error names the object, the local fork that call made is gone again, the new remote holds no
+    step, the parent is untouched; the same call then succeeds and the fork restores identically."""
+    model, opt = frozen_model()
+    child_url = proxied.url + "-fork"
+    state = checkpoint(model, opt, 1)
+    with CheckpointStore(tmp_path / "run", proxied.url, remote_options=proxied.options,
+                         upload_part_size=1 << 20) as parent:
+        parent.save(1, state).wait()
+        assert parent.wait(uploads=True, timeout=60)
+        proxied.proxy.set("403", methods=["PUT"], path="-fork/objects/")  # CopyObject is a PUT
+        with pytest.raises(RemoteError, match="copy .*objects/"):
+            parent.fork(1, tmp_path / "child", remote=child_url)
+        assert proxied.proxy.injected, "the fault never fired: the test proved nothing"
+        assert not (tmp_path / "child").exists()
+        assert RemoteTier(child_url, proxied.direct).steps() == []
+        proxied.proxy.clear()
+        parent.fork(1, tmp_path / "child", remote=child_url)
+    assert RemoteTier(proxied.url, proxied.direct).steps() == [1]
+    with CheckpointStore(tmp_path / "fresh", child_url, remote_options=proxied.options, read_only=True) as reader:
+        assert first_difference(state, reader.restore(mark_resume=False)) is None
+
+
+CUT_SHORT = textwrap.dedent("""
+    import json, os, signal, sys, torch
+    sys.path.insert(0, sys.argv[3])
+    from tieredckpt import CheckpointStore
+    from tieredckpt._tiers.remote import RemoteTier
+    def killed(*args, **kwargs):  # every part of step 2 is on the remote; its marker never will be
+        os.kill(os.getpid(), signal.SIGKILL)
+    RemoteTier.commit_upload = killed
+    with CheckpointStore(sys.argv[1], sys.argv[2], remote_options=json.loads(sys.argv[4])) as store:
+        store.save(2, {"w": torch.full((300_000,), 2.0)}).wait()
+        store.wait(uploads=True, timeout=60)
+""")
+
+
+@pytest.mark.parametrize("grace", [0.0, 3600.0])
+def test_the_writer_deletes_objects_a_killed_upload_left_once_they_are_older_than_orphan_grace(tmp_path, remote,
+                                                                                                grace):
+    """A writer SIGKILLed between its parts and its marker leaves objects no step names. The next
+    store on that remote deletes them after a commit once they are ``orphan_grace`` old, and nothing
+    any committed step names; with the default grace (an hour) a fresh leftover is kept."""
+    run = tmp_path / "run"
+    with CheckpointStore(run, remote.url, remote_options=remote.options, upload_part_size=256 << 10) as store:
+        store.save(1, {"w": torch.ones(300_000)}).wait()
+        assert store.wait(uploads=True, timeout=60)
+    proc = subprocess.run([sys.executable, "-c", CUT_SHORT, str(run), remote.url, ROOT, json.dumps(remote.options)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    tier = RemoteTier(remote.url, remote.options)
+    left, _ = tier.orphan_objects(grace=0)
+    assert left, "the killed upload left no objects: the test proved nothing"
+    states = {3: {"w": torch.full((300_000,), 3.0)}}
+    with CheckpointStore(run, remote.url, remote_options=remote.options, upload_part_size=256 << 10,
+                         orphan_grace=grace) as store:
+        store.save(3, states[3]).wait()
+        assert store.wait(uploads=True, timeout=60)
+    present = set(objects_present(tier))
+    assert set(left) & present == (set() if grace == 0 else set(left))
+    assert_no_dangling(tier)
+    with CheckpointStore(tmp_path / "fresh", remote.url, remote_options=remote.options, read_only=True) as reader:
+        assert first_difference(states[3], reader.restore(mark_resume=False)) is None
+        assert reader.restore(1, mark_resume=False)["w"].eq(1).all()
 
 KILLED = textwrap.dedent("""
     import sys, torch

@@ -165,7 +165,8 @@ def test_a_signal_during_a_save_is_not_lost(run_dir, monkeypatch):
 
 @pytest.mark.parametrize("kwargs, match", [
     ({"keep_local": 0}, "keep_local"), ({"every": -1}, "every"), ({"verify": "md5"}, "verify"),
-    ({"compression": "gzip"}, "compression"),
+    ({"compression": "gzip"}, "compression"), ({"orphan_grace": -1}, "orphan_grace"),
+    ({"orphan_grace": "1h"}, "orphan_grace"), ({"orphan_grace": float("nan")}, "orphan_grace"),
 ])
 def test_bad_settings_are_refused_naming_them(run_dir, kwargs, match):
     with pytest.raises(ValueError, match=match):

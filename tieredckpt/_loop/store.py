@@ -172,7 +172,8 @@ class CheckpointStore(AbstractContextManager):
                  exit_timeout: float = EXIT_TIMEOUT, on_save_error: str = "raise",
                  read_only: bool = False, takeover: bool = False, remote_fs: AbstractFileSystem | None = None,
                  distributed: bool | None = None, stall_budget: float = 0.02,
-                 on_stats: Callable[[dict], None] | None = None, overlap: bool = False) -> None:
+                 on_stats: Callable[[dict], None] | None = None, overlap: bool = False,
+                 orphan_grace: float | None = 3600.0) -> None:
         """``local``: the run directory. ``remote``: any fsspec URL (s3://bucket/prefix,
         file:///mnt/nas/run, memory://...), with ``remote_options`` passed to fsspec/s3fs.
         ``compression``: "zstd-dtype" (float-aware by each tensor's dtype, default),
@@ -204,7 +205,11 @@ class CheckpointStore(AbstractContextManager):
         ``save``, ``wait`` or ``close``; "warn" logs it and goes on (the next save tries again), for
         a loop that must never stop over a checkpoint -- ``stats()``, ``upload_status()`` and
         ``tieredckpt ls`` report the failures. Either way a full disk is met by evicting, before
-        the write, what rotation would evict after it (see ``_make_room``)."""
+        the write, what rotation would evict after it (see ``_make_room``).
+        ``orphan_grace``: objects on the remote that no committed step names (the parts of an upload
+        a crash cut short) are deleted by this store, the remote's writer, once they are this many
+        seconds old; it looks after an upload commits, at most once per that interval (default an
+        hour). None leaves them to ``tieredckpt gc``."""
         codec = compression or "raw"
         if codec not in CODECS:
             raise ValueError(f"compression must be one of {CODECS[1:]} or None, got {compression!r}")
@@ -222,6 +227,9 @@ class CheckpointStore(AbstractContextManager):
             raise ValueError(f"exit_timeout must be a number of seconds >= 0, got {exit_timeout!r}")
         if on_save_error not in SAVE_ERROR_MODES:
             raise ValueError(f"on_save_error must be one of {SAVE_ERROR_MODES}, got {on_save_error!r}")
+        if orphan_grace is not None and (not isinstance(orphan_grace, (int, float)) or isinstance(orphan_grace, bool)
+                                         or not orphan_grace >= 0):
+            raise ValueError(f"orphan_grace must be a number of seconds >= 0 or None, got {orphan_grace!r}")
         if not isinstance(stall_budget, (int, float)) or not 0 < stall_budget <= 1:
             raise ValueError(f"stall_budget must be a share of time in (0, 1], got {stall_budget!r}")
         self.read_only = read_only
@@ -276,7 +284,7 @@ class CheckpointStore(AbstractContextManager):
                         slow_retry=upload_backoff[2] if len(upload_backoff) > 2 else 60.0,
                         audit_interval=audit_interval, keep_remote=keep_remote,
                         lease=lease, on_uploaded=self._on_uploaded, on_error=on_upload_error,
-                        before_commit=lambda step: self._fill(step, quiet=False),
+                        before_commit=lambda step: self._fill(step, quiet=False), orphan_grace=orphan_grace,
                         ranks=RankGroup(timeout_seconds=UPLOAD_GROUP_TIMEOUT) if self.ranks is not None else None)
         except BaseException:
             self._release()

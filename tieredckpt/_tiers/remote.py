@@ -482,15 +482,22 @@ class RemoteTier:
     def orphan_objects(self, grace: float, now: float | None = None) -> tuple[list[str], str | None]:
         """Objects no committed step names, written at least ``grace`` seconds ago by the remote's
         clock (younger ones may belong to an upload about to commit); and why none may be
-        deleted, if so. Read fresh from the remote, never from what this process remembers."""
-        refs = self.referenced(cached=False)
-        if refs is None:
-            return [], "a committed step's upload manifest cannot be parsed, so what it names is unknown"
+        deleted, if so. The objects are listed first, then looked up in what this process has read
+        of the markers (each is read once); any found unnamed are confirmed against every marker
+        read fresh from the remote, never only from what this process remembers."""
         now = time.time() if now is None else now
         found = self.t.list_times(layout.OBJECTS)
-        return sorted(rel for name, (_, written) in found.items()
-                      if (rel := f"{layout.OBJECTS}/{name}") not in refs and written is not None
-                      and now - written >= grace), None
+        unnamed: list[str] = []
+        for cached in (True, False):
+            refs = self.referenced(cached=cached)
+            if refs is None:
+                return [], "a committed step's upload manifest cannot be parsed, so what it names is unknown"
+            unnamed = sorted(rel for name, (_, written) in found.items()
+                             if (rel := f"{layout.OBJECTS}/{name}") not in refs and written is not None
+                             and now - written >= grace)
+            if not unnamed:
+                break
+        return unnamed, None
 
     def delete_objects(self, rels: list[str]) -> None:
         for rel in rels:

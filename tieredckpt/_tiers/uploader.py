@@ -66,7 +66,7 @@ class Uploader:
                  lease: WriterLease | None = None, on_uploaded: Callable[[int], None] | None = None,
                  on_error: Callable[[int | None, Exception], None] | None = None,
                  progress: Callable[[int], None] | None = None, ranks=None,
-                 before_commit: Callable[[int], object] | None = None) -> None:
+                 before_commit: Callable[[int], object] | None = None, orphan_grace: float | None = None) -> None:
         if mode not in MODES:
             raise ValueError(f"uploads must be one of {MODES}, got {mode!r}")
         self.local, self.remote = local, remote
@@ -106,6 +106,9 @@ class Uploader:
         self._failed_cycle: set[int] = set()  # steps that failed since the last success or pause
         self._kick = False  # drain() asks for a retry now instead of after the backoff
         self._pinned_turn = False
+        self.orphan_grace = orphan_grace  # None: objects no step names are left to `tieredckpt gc`
+        self._swept = time.monotonic()  # when this process last looked for them: the first look after
+        # orphan_grace, so a short run never reads the remote's markers for it
         self._thread = threading.Thread(target=self._run, name="tieredckpt-uploader", daemon=True)
 
     def start(self) -> Uploader:
@@ -496,6 +499,7 @@ class Uploader:
         if self.leader:
             self._apply_retention()
             self._delete_pending()
+            self._sweep_orphans()
         with self._cond:  # evictable from now on; drain() still waits for the callback below
             self._current, self._finishing = None, True
         try:
@@ -642,6 +646,41 @@ class Uploader:
                 return
             with self._cond:
                 self._deletions.discard(step)
+
+    def _sweep_orphans(self) -> None:
+        """Delete the objects no committed step names once they are ``orphan_grace`` old: parts of an
+        upload that a crash or a takeover cut short, or left by a retention delete cut short (its
+        marker goes first). After a commit, at most once per ``orphan_grace`` (the first time that long
+        after the start), as the fenced owner.
+
+        Why no committed step can lose an object: the names are read fresh from every committed
+        marker (an unreadable one keeps everything), and the only objects not yet named are those of
+        uploads in flight -- another rank's, or a step retried after an outage. If one of those is
+        older than the grace and deleted, its commit confirms every part it names before the marker
+        (_confirm_parts) and sends what is missing: a marker never names a deleted object."""
+        if self.orphan_grace is None or self.lease is None:
+            return
+        if time.monotonic() - self._swept < self.orphan_grace:
+            return
+        self._swept = time.monotonic()
+        try:
+            orphans, why = self.remote.orphan_objects(self.orphan_grace)
+            if why:
+                log.warning("%s: objects no committed step names are kept: %s", self.remote.display_url, why)
+            if not orphans or why:
+                return
+            self.lease.fence()
+            for rel in orphans:
+                if self._stop.is_set():
+                    return
+                self.lease.check()
+                self.remote.delete_objects([rel])
+        except (RemoteError, WriterConflictError) as exc:
+            log.warning("deleting objects no committed step names failed (%s); tried again in %.0f s",
+                        exc, self.orphan_grace)
+            return
+        log.info("%s: deleted %d object(s) no committed step names, written over %.0f s ago (%s, ...)",
+                 self.remote.display_url, len(orphans), self.orphan_grace, orphans[0])
 
     # ---- failures and waiting -----------------------------------------------------------------
 
