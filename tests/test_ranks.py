@@ -121,6 +121,18 @@ def test_one_rank_failing_its_upload_means_no_upload_manifest(tmp_path):
     assert RemoteTier(remote).steps() == [] and RemoteTier(remote).orphan_objects(grace=0)[0]  # its parts, named by no marker
 
 
+def test_a_part_of_another_rank_lost_before_the_commit_is_sent_again_by_that_rank(tmp_path):
+    """The leader's commit finds one of rank 1's parts missing (lost by the server, or deleted as an
+    object no step named): rank 1 must send it again -- its own record says it was sent -- and the
+    step commits whole and restores on fresh machines."""
+    remote = f"file://{tmp_path / 'remote'}"
+    out = run(2, "part_lost_before_commit", tmp_path / "node{rank}", "--remote", remote)
+    assert [r["error"] for r in out] == [None, None]
+    assert all(r["remote_steps"] == [1] for r in out)
+    out = run(2, "restore", tmp_path / "fresh{rank}", "--remote", remote)
+    assert [(r["step"], r["diff"]) for r in out] == [(1, None), (1, None)]
+
+
 def zero_run(world, run_dir, steps, *extra):
     return launch(world, [str(ZERO), "--run-dir", str(run_dir), "--steps", str(steps), "--every", "20", *extra])
 

@@ -73,6 +73,22 @@ MAX_SIDE_FILE = 1 << 30  # a side file larger than this is not one we wrote
 _POINTER_MAX = 256
 
 
+class PartsMissingError(RemoteError):
+    """Parts a step names are not on the remote at its commit (the server lost them, or they were
+    deleted meanwhile). ``parts``: (file path, offset, object) of each; with many ranks, the leader
+    finds them and every rank forgets those of its own file (``forget_part``) so it sends them again."""
+
+    def __init__(self, message: str, parts: list[tuple[str, int, str]]) -> None:
+        super().__init__(message, transient=True)
+        self.parts = parts
+
+
+def forget_part(done: dict, path: str, offset: int) -> None:
+    """The next attempt sends this part again, and never references an object for it."""
+    done.pop((path, offset), None)
+    done[("missing", path, offset)] = True
+
+
 class RemoteTier:
     def __init__(self, url: str, options: dict | None = None, *, fs=None, part_size: int = PART_SIZE,
                  concurrency: int = 4, request_timeout: float = REQUEST_TIMEOUT) -> None:
@@ -254,12 +270,11 @@ class RemoteTier:
         for f in files:
             for part in f.parts:
                 if present.get(part.path[len(prefix):]) != part.stored_size:
-                    missing.append(part.path)
-                    done.pop((f.path, part.offset), None)
-                    done[("missing", f.path, part.offset)] = True  # never referenced again this round
+                    missing.append((f.path, part.offset, part.path))
+                    forget_part(done, f.path, part.offset)
         if missing:
-            raise RemoteError(f"{self.where(layout.OBJECTS)}: {len(missing)} part(s) of this step are missing "
-                              f"or short on the remote (first: {missing[0]}); sending them again", transient=True)
+            raise PartsMissingError(f"{self.where(layout.OBJECTS)}: {len(missing)} part(s) of this step are missing "
+                                    f"or short on the remote (first: {missing[0][2]}); sending them again", missing)
 
     def _upload_file(self, path, name, size, codec, level, done, progress, frames,
                      typed: bool = True, reuse: Reuse | None = None) -> list[PartEntry]:

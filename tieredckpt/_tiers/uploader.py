@@ -52,7 +52,7 @@ from ..errors import RemoteError, TieredCkptError, UploadError, WriterConflictEr
 from .lease import WriterLease
 from .local import LocalTier
 from .objects import ObjectIndex, Reuse
-from .remote import RemoteTier, describe_writer
+from .remote import RemoteTier, describe_writer, forget_part
 from .retention import Policy, pins, plan_eviction
 
 log = logging.getLogger("tieredckpt")
@@ -418,9 +418,15 @@ class Uploader:
             try:
                 self._commit(step, everyone)
             except Exception as exc:  # noqa: BLE001
-                outcome = {"error": self._describe(exc), "transient": _transient(exc)}
+                outcome = {"error": self._describe(exc), "transient": _transient(exc),
+                           "missing": [part[:2] for part in getattr(exc, "parts", [])]}
         outcome = self._gather(outcome)[0]
-        return None if outcome is None else (outcome["error"], outcome["transient"])
+        if outcome is None:
+            return None
+        done = self._done.setdefault(step, {})
+        for path, offset in outcome.get("missing", []):  # each rank's own: its next attempt sends them
+            forget_part(done, path, offset)
+        return outcome["error"], outcome["transient"]
 
     def _send(self, step: int) -> list[UploadedFile]:
         manifest = self.local.manifest(step)
