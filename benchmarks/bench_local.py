@@ -10,7 +10,7 @@ cache), torch.save + fsync, torch.distributed.checkpoint.save, safetensors save_
 Load into preallocated tensors (warm page cache: every file read once, untimed, first):
 tieredckpt vs torch.load, torch.load(mmap=True), safetensors load_file; the verified load's
 own bound: it reads the bytes twice (its crc32c pass, then the copy), so it is measured
-against one crc32c pass + one load with sizes checked only, timed in the same run; and cold
+against one crc32c pass then one load with sizes checked only, timed as one in each repeat; and cold
 (the files evicted from the page cache first, as after a reboot or on another node):
 tieredckpt verified vs safetensors. Verify: crc32c vs sha256.
 
@@ -149,7 +149,7 @@ def main() -> None:
                 with timer(load_times[name] if load is not None else crc_pass):
                     load() if load is not None else file_digest(shard, sha256=False)
         report_load(load_times, crc_pass, nbytes)
-        cold = cold_loads(root, loaders, args.repeats, nbytes)
+        cold = cold_loads(root, loaders, 3 * args.repeats, nbytes)  # each swings with the disk: as many as the warm
         if args.json:
             dump(args.json, {"mode": "warm", "bytes": nbytes, "params": args.params, "dtype": args.dtype,
                              "save": save_times, "load": load_times, "crc_pass": crc_pass, "cold": cold})
@@ -227,10 +227,16 @@ def fresh_saves(args) -> None:
 
 
 def rotated(methods: dict, rep: int) -> list:
-    """Each repeat starts with a different method, so no method always runs first."""
+    """Each repeat starts with a different method, so no method always runs first, and the rest
+    follow in an order of their own (seeded by the repeat), so no method always runs right
+    after the same one. A fixed cyclic order did that, and it matters here: the verified load,
+    always right after the crc32c pass alone, took 0.202 s (median of 9) against 0.179 s in the
+    same rotation without that pass, and so 0.83x against 1.00x of its bound."""
+    import random
     items = list(methods.items())
-    k = rep % len(items)
-    return items[k:] + items[:k]
+    first = items.pop(rep % len(items))
+    random.Random(rep).shuffle(items)
+    return [first, *items]
 
 
 def make_savers(state, root):
@@ -279,8 +285,13 @@ def make_loaders(root, targets):
         loaded = torch.load(os.path.join(root, "torch.save"), weights_only=True, mmap=mmap)
         copy_into(flat_names(loaded))
 
+    def two_reads():
+        file_digest(os.path.join(root, "tieredckpt", "rank0.bin"), sha256=False)
+        ours("none")
+
     return {
         "tieredckpt load (crc32c verified)": lambda: ours("crc"),
+        BOUND: two_reads,
         "tieredckpt load (sizes only)": lambda: ours("none"),
         "torch.load": lambda: tload(False),
         "torch.load(mmap=True)": lambda: tload(True),
@@ -313,7 +324,10 @@ def dump(path: str, figures: dict) -> None:
 
 
 def cold_loads(root, loaders, repeats, nbytes) -> dict:
-    """Cold loads: the files evicted from the page cache first, as after a reboot."""
+    """Cold loads: the files evicted from the page cache first, as after a reboot.
+
+    One cold read's time follows the virtual disk's speed at that moment (0.55-0.86 s for the
+    same load within one run), so the median is taken over as many repeats as the warm loads."""
     cold = {"tieredckpt load (crc32c verified)": "tieredckpt", "safetensors load_file": "safetensors"}
     times = {name: [] for name in cold}
     for rep in range(repeats):
@@ -344,15 +358,20 @@ def report_save(times, nbytes):
           f"{median(times['safetensors save_file + fsync']) / late:.2f}x safetensors + fsync (target >= 1.0x)\n")
 
 
+# The verified load's bound, timed as one operation in each repeat: a sum of two medians is not the
+# median of a sum when a repeat's times swing (here 0.08 or 0.15 s for the same sizes-only load).
+BOUND = "two reads: a crc32c pass, then a sizes-only load"
+
+
 def report_load(times, crc_pass, nbytes):
     report(times, nbytes, "safetensors load_file", "load into preallocated (warm cache)",
            "tieredckpt load (crc32c verified)", "its two-read bound, below")
-    bound = median(crc_pass) + median(times["tieredckpt load (sizes only)"])
+    bound = median(times[BOUND])
     verified = median(times["tieredckpt load (crc32c verified)"])
     st = median(times["safetensors load_file"])
     print(f"  a load that verifies every byte before any reaches the model reads them twice: its bound is one "
-          f"crc32c pass ({median(crc_pass):.3f} s) + one load with sizes checked only = {bound:.3f} s, "
-          f"{st / bound:.2f}x safetensors; the verified load takes {verified:.3f} s, "
+          f"crc32c pass ({median(crc_pass):.3f} s alone) then one load with sizes checked only, timed together: "
+          f"{bound:.3f} s, {st / bound:.2f}x safetensors; the verified load takes {verified:.3f} s, "
           f"{bound / verified:.2f}x of its bound (target >= 0.9x)\n")
 
 

@@ -14,6 +14,8 @@ import json
 import statistics
 from pathlib import Path
 
+BOUND = "two reads: a crc32c pass, then a sizes-only load"  # as bench_local.py names it
+
 HERE = Path(__file__).resolve().parent
 
 
@@ -103,10 +105,9 @@ def local(results: Path, out: Path, plt) -> Path | None:
     for ax, (mode, key, title) in zip(axes, panels):
         names = list(data[mode][0][key])
         per_run = {n: [statistics.median(d[key][n]) for d in data[mode]] for n in names}
-        if key == "load":  # what a load that checks every byte first cannot beat: two reads and a copy
-            bound = "its bound: a crc32c pass + a sizes-only load"
-            names.insert(1, bound)
-            per_run[bound] = [statistics.median(d["crc_pass"]) + statistics.median(d["load"]["tieredckpt load (sizes only)"])
+        if key == "load" and BOUND not in names:  # runs before the bound was timed as one operation
+            names.insert(1, BOUND)
+            per_run[BOUND] = [statistics.median(d["crc_pass"]) + statistics.median(d["load"]["tieredckpt load (sizes only)"])
                               for d in data[mode]]
         _bars(ax, names, per_run, [_ours(n) for n in names], f"{title}, {len(data[mode])} runs", "seconds")
     state = data["warm"][0]["bytes"] / 1e9
