@@ -52,7 +52,7 @@ from ..errors import RemoteError, TieredCkptError, UploadError, WriterConflictEr
 from .lease import WriterLease
 from .local import LocalTier
 from .objects import ObjectIndex, Reuse
-from .remote import RemoteTier, describe_writer, forget_part
+from .remote import PartsMissingError, RemoteTier, describe_writer, forget_part
 from .retention import Policy, pins, plan_eviction
 
 log = logging.getLogger("tieredckpt")
@@ -419,7 +419,7 @@ class Uploader:
                 self._commit(step, everyone)
             except Exception as exc:  # noqa: BLE001
                 outcome = {"error": self._describe(exc), "transient": _transient(exc),
-                           "missing": [part[:2] for part in getattr(exc, "parts", [])]}
+                           "missing": [p[:2] for p in exc.parts] if isinstance(exc, PartsMissingError) else []}
         outcome = self._gather(outcome)[0]
         if outcome is None:
             return None
