@@ -284,6 +284,30 @@ def test_a_fork_whose_copy_fails_leaves_nothing_behind_and_can_be_retried(tmp_pa
         assert first_difference(state, reader.restore(mark_resume=False)) is None
 
 
+
+def test_a_part_lost_before_the_commit_is_sent_again_and_the_step_commits_whole(tmp_path, remote, monkeypatch):
+    """The server loses a part between its send and the commit (or it is deleted as an object no
+    step named): the commit finds it missing and fails, the next attempt sends it again (and only
+    it), and the step restores bit-identically on a fresh machine."""
+    real, lost = RemoteTier.commit_upload, []
+
+    def lose_one_then_commit(self, manifest, codec, files, *args, **kwargs):
+        if not lost:
+            lost.append(files[0].parts[-1].path)
+            self.t.rm(lost[0])
+        return real(self, manifest, codec, files, *args, **kwargs)
+    monkeypatch.setattr(RemoteTier, "commit_upload", lose_one_then_commit)
+    state = {"w": torch.randn(300_000), "step": 1}
+    with CheckpointStore(tmp_path / "run", remote.url, remote_options=remote.options, upload_part_size=256 << 10,
+                         upload_backoff=(0.05, 0.2)) as store:
+        store.save(1, state).wait()
+        assert store.wait(uploads=True, timeout=60)
+    tier = RemoteTier(remote.url, remote.options)
+    assert lost and lost[0] not in objects_present(tier)  # sent again under a new name
+    assert_no_dangling(tier)
+    with CheckpointStore(tmp_path / "fresh", remote.url, remote_options=remote.options, read_only=True) as reader:
+        assert first_difference(state, reader.restore(mark_resume=False)) is None
+
 CUT_SHORT = textwrap.dedent("""
     import json, os, signal, sys, torch
     sys.path.insert(0, sys.argv[3])

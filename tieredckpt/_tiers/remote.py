@@ -186,9 +186,16 @@ class RemoteTier:
     def upload(self, local_dir: Path, manifest: ShardManifest, codec: str = "zstd-dtype", level: int = 1,
                done: dict | None = None, progress: Callable[[int], None] | None = None,
                reuse: Reuse | None = None) -> UploadManifest:
-        """Send a committed local checkpoint; upload.json goes last."""
+        """Send a committed local checkpoint; upload.json goes last. With ``done``, a retry after a
+        failure resumes, and sends again any part the commit found missing."""
+        done = {} if done is None else done
         files = self.send_files(local_dir, manifest, manifest.shards, codec, level, done, progress, reuse)
-        return self.commit_upload(manifest, codec, files)
+        try:
+            return self.commit_upload(manifest, codec, files)
+        except PartsMissingError as exc:
+            for path, offset, _ in exc.parts:
+                forget_part(done, path, offset)
+            raise
 
     def send_files(self, local_dir: Path, manifest: ShardManifest, shards, codec: str, level: int = 1,
                    done: dict | None = None, progress=None, reuse: Reuse | None = None) -> list[UploadedFile]:
@@ -203,13 +210,13 @@ class RemoteTier:
                 for shard in shards]
 
     def commit_upload(self, manifest: ShardManifest, codec: str, files: list[UploadedFile],
-                      done: dict | None = None, writer: dict | None = None) -> UploadManifest:
+                      writer: dict | None = None) -> UploadManifest:
         """Confirm every part of every rank is on the remote, then create upload.json -- the commit
         marker -- only if none is there (a conditional write where the backend has one): a
         committed step's marker is never overwritten, by us or by anyone. An existing marker that
         ``writer`` (our identity) wrote is an earlier attempt of ours whose answer was lost."""
         step_dir = layout.step_dir_name(manifest.step)
-        self._confirm_parts(files, {} if done is None else done)
+        self._confirm_parts(files)
         upload = UploadManifest(manifest.step, codec, files, json.loads(manifest.to_json()), time.time(),
                                 writer=writer)
         rel = f"{step_dir}/{layout.UPLOAD_MANIFEST}"
@@ -255,14 +262,14 @@ class RemoteTier:
         """The writer identity recorded in a committed step's upload manifest (None: unrecorded)."""
         return self.upload_manifest(step).writer
 
-    def _confirm_parts(self, files: list[UploadedFile], done: dict) -> None:
+    def _confirm_parts(self, files: list[UploadedFile]) -> None:
         """Before the commit marker: every object the step names must be on the remote with its
         stored size, those it sent and those it references.
 
         A retry skips parts an earlier attempt sent; if the server lost any of them
         meanwhile (or an object referenced was deleted), writing upload.json would publish
-        a partial checkpoint. Missing parts are forgotten (so the next attempt sends them)
-        and the attempt fails.
+        a partial checkpoint. The attempt fails with PartsMissingError naming them; whoever keeps
+        the record of sent parts forgets them (``forget_part``), so the next attempt sends them.
         """
         prefix = layout.OBJECTS + "/"
         present = self.t.list_files(layout.OBJECTS)
@@ -271,7 +278,6 @@ class RemoteTier:
             for part in f.parts:
                 if present.get(part.path[len(prefix):]) != part.stored_size:
                     missing.append((f.path, part.offset, part.path))
-                    forget_part(done, f.path, part.offset)
         if missing:
             raise PartsMissingError(f"{self.where(layout.OBJECTS)}: {len(missing)} part(s) of this step are missing "
                                     f"or short on the remote (first: {missing[0][2]}); sending them again", missing)

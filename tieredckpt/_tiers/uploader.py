@@ -424,7 +424,7 @@ class Uploader:
         if outcome is None:
             return None
         done = self._done.setdefault(step, {})
-        for path, offset in outcome.get("missing", []):  # each rank's own: its next attempt sends them
+        for path, offset in outcome.get("missing", []):  # every rank, the leader too: its next attempt sends its own
             forget_part(done, path, offset)
         return outcome["error"], outcome["transient"]
 
@@ -469,7 +469,7 @@ class Uploader:
         if self.lease is not None:
             self.lease.fence()
         writer = self.lease.identity() if self.lease is not None else None
-        self.remote.commit_upload(self.local.manifest(step), self.codec, files, self._done.get(step), writer=writer)
+        self.remote.commit_upload(self.local.manifest(step), self.codec, files, writer=writer)
         self.remote.write_latest(max(self.uploaded | {step}))
 
     def _clear_foreign(self, step: int) -> None:
@@ -673,7 +673,7 @@ class Uploader:
             orphans, why = self.remote.orphan_objects(self.orphan_grace)
             if why:
                 log.warning("%s: objects no committed step names are kept: %s", self.remote.display_url, why)
-            if not orphans or why:
+            if not orphans:  # also when why is given: nothing may be deleted then
                 return
             self.lease.fence()
             for rel in orphans:
