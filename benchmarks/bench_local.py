@@ -16,7 +16,9 @@ tieredckpt verified vs safetensors. Verify: crc32c vs sha256.
 
 Before every timed run ~2.5x the state's size of fresh memory is touched
 (untimed), so the figures are the warm-memory case (see shared/benchmarking.md).
-Medians of --repeats interleaved runs; each repeat starts with a different method.
+Medians of --repeats interleaved runs (loads: three times as many, rounded up to whole cycles),
+in a balanced order: each method runs first, and right after each other method, equally
+often (see ``ordered``).
 
 ``--json PATH`` writes every timing (benchmarks/plot.py draws them).
 
@@ -129,7 +131,7 @@ def main() -> None:
         savers = make_savers(state, root)
         save_times = {name: [] for name in savers}
         for rep in range(args.repeats):
-            for name, (save, target) in rotated(savers, rep):
+            for name, (save, target) in ordered(savers, rep):
                 remove(target)
                 warm_memory(int(2.5 * nbytes))
                 with timer(save_times[name]):
@@ -143,13 +145,14 @@ def main() -> None:
         shard = os.path.join(root, "tieredckpt", "rank0.bin")
         for where in ("tieredckpt", "torch.save", "safetensors"):
             read_through(os.path.join(root, where))  # warm: the store's write went past the page cache
-        for rep in range(3 * args.repeats):  # loads take a fraction of a second: three times the repeats
-            for name, load in rotated({**loaders, "crc32c pass alone": None}, rep):
+        timed = {**loaders, "crc32c pass alone": None}
+        for rep in range(whole_cycles(3 * args.repeats, len(timed))):  # loads are quick: 3x, whole cycles
+            for name, load in ordered(timed, rep):
                 warm_memory(int(2.5 * nbytes))
                 with timer(load_times[name] if load is not None else crc_pass):
                     load() if load is not None else file_digest(shard, sha256=False)
         report_load(load_times, crc_pass, nbytes)
-        cold = cold_loads(root, loaders, 3 * args.repeats, nbytes)  # each swings with the disk: as many as the warm
+        cold = cold_loads(root, loaders, whole_cycles(3 * args.repeats, 2), nbytes)  # each swings with the disk
         if args.json:
             dump(args.json, {"mode": "warm", "bytes": nbytes, "params": args.params, "dtype": args.dtype,
                              "save": save_times, "load": load_times, "crc_pass": crc_pass, "cold": cold})
@@ -209,7 +212,7 @@ def fresh_saves(args) -> None:
           "each save in a new process with no warm-up")
     times = {name: [] for name in FRESH}
     for rep in range(args.repeats):
-        for name, _ in rotated(dict.fromkeys(FRESH), rep):
+        for name, _ in ordered(dict.fromkeys(FRESH), rep):
             cmd = [sys.executable, __file__, "--one-save", name, "--params", str(args.params), "--dtype", args.dtype]
             out = subprocess.run(cmd + (["--dir", args.dir] if args.dir else []), capture_output=True, text=True,
                                  check=True).stdout
@@ -226,17 +229,36 @@ def fresh_saves(args) -> None:
         dump(args.json, {"mode": "fresh", "bytes": nbytes, "params": args.params, "dtype": args.dtype, "save": times})
 
 
-def rotated(methods: dict, rep: int) -> list:
-    """Each repeat starts with a different method, so no method always runs first, and the rest
-    follow in an order of their own (seeded by the repeat), so no method always runs right
-    after the same one. A fixed cyclic order did that, and it matters here: the verified load,
-    always right after the crc32c pass alone, took 0.202 s (median of 9) against 0.179 s in the
-    same rotation without that pass, and so 0.83x against 1.00x of its bound."""
-    import random
+def cycle(n: int) -> int:
+    """How many repeats make one whole balanced cycle of ``n`` methods (see ``ordered``)."""
+    return n if n % 2 == 0 else 2 * n
+
+
+def whole_cycles(repeats: int, n: int) -> int:
+    """``repeats`` rounded up to whole cycles, so that every method follows every other equally often."""
+    return -(-repeats // cycle(n)) * cycle(n)
+
+
+def ordered(methods: dict, rep: int) -> list:
+    """The methods in repeat ``rep``'s order, from a Williams design: over one cycle (n repeats
+    for an even n, 2n for an odd one) every method runs once in each position and right after
+    every other method equally often, so what one method leaves behind (freed memory, a page
+    cache another mapping just walked) falls on each of the others alike.
+
+    A random order per repeat did not: over 15 repeats of 7 methods the verified load's bound
+    ran right after safetensors' load_file 7 times. A fixed cyclic order before that made the
+    verified load always follow the crc32c pass alone, which slowed it from 0.179 to 0.202 s."""
     items = list(methods.items())
-    first = items.pop(rep % len(items))
-    random.Random(rep).shuffle(items)
-    return [first, *items]
+    n = len(items)
+    first, low, high = [0], 1, n - 1  # 0, 1, n-1, 2, n-2, ...: each step between neighbours differs
+    while len(first) < n:
+        first.append(low)
+        low += 1
+        if len(first) < n:
+            first.append(high)
+            high -= 1
+    row = [(i + rep) % n for i in first]
+    return [items[i] for i in (row if (rep // n) % 2 == 0 or n % 2 == 0 else row[::-1])]
 
 
 def make_savers(state, root):
@@ -331,7 +353,7 @@ def cold_loads(root, loaders, repeats, nbytes) -> dict:
     cold = {"tieredckpt load (crc32c verified)": "tieredckpt", "safetensors load_file": "safetensors"}
     times = {name: [] for name in cold}
     for rep in range(repeats):
-        for name, where in rotated(cold, rep):
+        for name, where in ordered(cold, rep):
             warm_memory(int(2.5 * nbytes))
             evict(os.path.join(root, where))
             with timer(times[name]):
