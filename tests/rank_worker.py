@@ -70,15 +70,11 @@ def main() -> None:
             result["local_steps"] = store.local.steps()
         elif args.scenario == "part_lost_before_commit":
             if rank == 0:  # the leader: one of rank 1's parts vanishes between its send and the commit
-                from tieredckpt._tiers.remote import RemoteTier
-                real_commit, lost = RemoteTier.commit_upload, []
+                from lostpart import losing_commit
 
-                def lose_one_then_commit(self, manifest, codec, files, *a, **kw):
-                    if not lost:
-                        lost.append(files[1].parts[-1].path)
-                        self.t.rm(lost[0])
-                    return real_commit(self, manifest, codec, files, *a, **kw)
-                RemoteTier.commit_upload = lose_one_then_commit
+                from tieredckpt._tiers.remote import RemoteTier
+                lost: list[str] = []
+                RemoteTier.commit_upload = losing_commit(1, lost)
             store.save(1, rank_state(1, rank)).wait()
             result["error"] = None if store.wait(uploads=True, timeout=60) else "not uploaded in 60 s"
             result["remote_steps"] = store.remote.steps()

@@ -21,6 +21,7 @@ import time
 import pytest
 import torch
 from conftest import ROOT
+from lostpart import losing_commit
 
 from tieredckpt import CheckpointStore, KeepLast
 from tieredckpt._format.compare import first_difference
@@ -289,14 +290,8 @@ def test_a_part_lost_before_the_commit_is_sent_again_and_the_step_commits_whole(
     """The server loses a part between its send and the commit (or it is deleted as an object no
     step named): the commit finds it missing and fails, the next attempt sends it again (and only
     it), and the step restores bit-identically on a fresh machine."""
-    real, lost = RemoteTier.commit_upload, []
-
-    def lose_one_then_commit(self, manifest, codec, files, *args, **kwargs):
-        if not lost:
-            lost.append(files[0].parts[-1].path)
-            self.t.rm(lost[0])
-        return real(self, manifest, codec, files, *args, **kwargs)
-    monkeypatch.setattr(RemoteTier, "commit_upload", lose_one_then_commit)
+    lost: list[str] = []
+    monkeypatch.setattr(RemoteTier, "commit_upload", losing_commit(0, lost))
     state = {"w": torch.randn(300_000), "step": 1}
     with CheckpointStore(tmp_path / "run", remote.url, remote_options=remote.options, upload_part_size=256 << 10,
                          upload_backoff=(0.05, 0.2)) as store:
