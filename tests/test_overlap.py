@@ -11,27 +11,36 @@ from conftest import train_step, trained
 from tieredckpt import CheckpointStore, capture_rng
 from tieredckpt._format.compare import first_difference
 from tieredckpt._loop import staging
+from tieredckpt._loop.handoff import Handoff
 
-real_copy = staging._copy
+real_now, real_rest = Handoff.copy_back_to_front, Handoff.copy_all
 
 
 def slow_background_copy(log: list, trained_on: threading.Event | None = None):
     """The deferred copy, held back until the loop has trained on (or, when the loop is
     itself held in step(), for 0.3 s): without the hold, the next step overtakes it."""
-    def copy(buffers, tensors, which):
-        on_writer = threading.current_thread().name.startswith("tieredckpt-writer")
-        if which:
-            log.append((on_writer, len(which)))
-        if on_writer and which:
-            (trained_on or threading.Event()).wait(0.3)
-        real_copy(buffers, tensors, which)
-    return copy
+    def logged(real):
+        def copy(self, which):
+            on_writer = threading.current_thread().name.startswith("tieredckpt-writer")
+            if which:
+                log.append((on_writer, len(which)))
+            if on_writer and which:
+                (trained_on or threading.Event()).wait(0.3)
+            real(self, which)
+        return copy
+    return logged(real_now), logged(real_rest)
+
+
+def slowed(monkeypatch, log: list, trained_on: threading.Event | None = None) -> None:
+    now, rest = slow_background_copy(log, trained_on)
+    monkeypatch.setattr(Handoff, "copy_back_to_front", now)
+    monkeypatch.setattr(Handoff, "copy_all", rest)
 
 
 def save_then_train(tmp_path, name, overlap: bool, monkeypatch, hold: bool = True):
     log: list = []
     trained_on = threading.Event()
-    monkeypatch.setattr(staging, "_copy", slow_background_copy(log, trained_on))
+    slowed(monkeypatch, log, trained_on)
     if not hold:
         monkeypatch.setattr(staging.StepHold, "_hold", lambda self, opt, args, kwargs: None)
     model, opt = trained(steps=3)
@@ -67,7 +76,7 @@ def test_without_holding_step_the_overlapped_copy_would_be_wrong(tmp_path, monke
 
 def test_overlap_without_an_optimizer_object_copies_everything_at_once(tmp_path, monkeypatch):
     log: list = []
-    monkeypatch.setattr(staging, "_copy", slow_background_copy(log))
+    slowed(monkeypatch, log)
     model, opt = trained(steps=2)
     expected = {"model": {k: v.clone() for k, v in model.state_dict().items()}}
     with CheckpointStore(tmp_path / "run", overlap=True, stall_budget=1.0) as store:

@@ -19,8 +19,11 @@ Nothing is unpickled or evaluated.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import os
+from collections.abc import Iterable
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -66,37 +69,57 @@ def write_shard(path: str | os.PathLike, state: Any, *, sha256: bool = True) -> 
     return write_flattened(path, skeleton, tensors, names, sha256=sha256)
 
 
+def write_order(skeleton, tensors: list[torch.Tensor]) -> list[int]:
+    """The order tensors are laid out in a shard.
+
+    Largest item size first keeps every tensor aligned. A state with DTensor pieces is read
+    piece by piece when resharded (no rank reads whole shards it does not need): its plain
+    tensors (step counts, RNG), which every restoring rank reads, come first, next to the header.
+    """
+    pieces = _piece_tensors(skeleton)
+    return sorted(range(len(tensors)), key=lambda i: (i in pieces, -tensors[i].element_size()))
+
+
+def _piece_tensors(skeleton) -> set:
+    return {n.get("t") for _, n in tree.piece_nodes(skeleton) if isinstance(n, dict)}
+
+
 def write_flattened(path, skeleton, tensors: list[torch.Tensor], names: list[str], *,
-                    sha256: bool = True) -> Digest:
-    """Write already-flattened state (see :func:`tree.flatten`) in one streaming pass."""
-    arrays = [_as_bytes(t, name) for t, name in zip(tensors, names)]
-    pieces = {n.get("t") for _, n in tree.piece_nodes(skeleton) if isinstance(n, dict)}
-    # Largest item size first keeps every tensor aligned. A state with DTensor pieces is read
-    # piece by piece when resharded (no rank reads whole shards it does not need): its plain
-    # tensors (step counts, RNG), which every restoring rank reads, come first, next to the
-    # header, and each tensor carries a crc32c per CRC_BLOCK of its bytes, so a rank that needs
-    # part of a piece reads and verifies only the blocks that part lies in -- one more pass over
-    # the bytes, on the writer thread, before the header that records them.
-    order = sorted(range(len(tensors)), key=lambda i: (i in pieces, -tensors[i].element_size()))
-    crcs = [block_crcs(a) for a in arrays] if pieces else None
+                    sha256: bool = True, handoff=None) -> Digest:
+    """Write already-flattened state (see :func:`tree.flatten`) in one streaming pass.
+
+    ``handoff`` (the store's staging copy, still running: _loop/handoff.py) gives the tensors'
+    bytes in the order written, each part once it is there."""
+    arrays = [_as_bytes(t, name) for t, name in zip(tensors, names)]  # checked, not yet read
+    order = write_order(skeleton, tensors)
+    # With DTensor pieces each tensor carries a crc32c per CRC_BLOCK of its bytes, so a rank
+    # that needs part of a piece reads and verifies only the blocks that part lies in -- one more
+    # pass over the bytes, on the writer thread, before the header that records them.
+    crcs = None
+    if _piece_tensors(skeleton):
+        if handoff is not None:
+            handoff.wait_copied()
+        crcs = [block_crcs(a) for a in arrays]
     header_bytes = _encode_header(skeleton, tensors, names, order, crcs)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
-        parts = [memoryview(header_bytes), *(arrays[i] for i in order)]  # the file, in order
-        if sum(map(len, parts)) >= MIN_DIRECT and enable_direct(fd):
-            done = write_direct(fd, parts, sha256)  # past the page cache (see directwrite.py)
-        else:
-            done = _write_buffered(fd, parts, sha256)
+        direct = len(header_bytes) + sum(map(len, arrays)) >= MIN_DIRECT and enable_direct(fd)
+        # The O_DIRECT writer copies each view into its own buffers before it asks for the next,
+        # so a handoff may give it live tensors; the page-cache one checksums views later.
+        data = handoff.stream(live_ok=direct) if handoff is not None else (arrays[i] for i in order)
+        with closing(data):  # a handoff's live tensor is let go of, also when the write fails
+            parts = itertools.chain([memoryview(header_bytes)], data)  # the file, in order
+            done = write_direct(fd, parts, sha256) if direct else _write_buffered(fd, parts, sha256)
         with phase("fsync"):
             os.fsync(fd)  # durable before anyone may name this file in a manifest
     finally:
         os.close(fd)
-    if pieces:  # read piece by piece, the header is checked on its own against the manifest
+    if crcs is not None:  # read piece by piece, the header is checked on its own against the manifest
         done = dataclasses.replace(done, header_crc32c=crc_hex(crc32c_update(header_bytes)))
     return done
 
 
-def _write_buffered(fd: int, pieces: list[memoryview], sha256: bool) -> Digest:
+def _write_buffered(fd: int, pieces: Iterable[memoryview], sha256: bool) -> Digest:
     """Through the page cache, straight from the tensors' memory, checksummed beside the writes."""
     digest = StreamDigest(sha256=sha256)
     try:

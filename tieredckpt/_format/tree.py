@@ -38,10 +38,13 @@ _MAX_DEPTH = 200
 @dataclass
 class Staged:
     """A flattened state: its JSON skeleton, its tensors, a name per tensor. The store's staging
-    copy is one (tensors owned by the stager); a shard is written from one."""
+    copy is one (tensors owned by the stager); a shard is written from one. ``handoff``: the
+    store's copy is still running while its writer starts, and the writer takes the bytes from
+    it (see _loop/handoff.py); None: the tensors hold them already."""
     skeleton: Any
     tensors: list[torch.Tensor]
     names: list[str]
+    handoff: Any = None
 
     @property
     def nbytes(self) -> int:

@@ -1,6 +1,8 @@
 """Copying state off the live tensors into buffers that are reused across saves.
 
-This copy is the only part of a save the training loop waits for. The buffers
+This copy is the only part of a save the training loop waits for, and the writer
+starts beside it: what the writer reaches while the loop waits it reads from the
+live tensors, uncopied (see handoff.py). The buffers
 are allocated on the first save (pinned when CUDA is present, so GPU -> CPU
 copies are fast and asynchronous) and reused while shapes and dtypes stay the
 same: on this kind of VM freshly touched memory costs ~10x a copy into memory
@@ -23,14 +25,15 @@ from __future__ import annotations
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from .._format import tree
 from .._format.pieces import is_dtensor, local_tensor
+from .._format.shardfile import write_order
 from .._format.tree import Staged
+from .handoff import Handoff
 
 
 class Stager:
@@ -38,17 +41,17 @@ class Stager:
         self._buffers: list[torch.Tensor] = []
         self._pin = torch.cuda.is_available()
 
-    def stage_split(self, state: Any, defer: set[int]) -> tuple[Staged, Callable[[], None]]:
-        """Snapshot ``state`` (plain values by value, tensors into the reused buffers): every
-        tensor whose storage is not in ``defer`` (data pointers) now; return the snapshot
-        and the function that copies the deferred rest into it."""
+    def stage_split(self, state: Any, defer: set[int]) -> Snapshot:
+        """A snapshot of ``state`` (plain values by value, tensors into the reused buffers), not
+        yet copied: ``copy_now`` copies every tensor whose storage is not in ``defer`` (data
+        pointers), ``copy_rest`` the deferred rest. Its ``staged`` may be handed to the writer
+        before either runs (see handoff.py)."""
         skeleton, tensors, names = tree.flatten(to_state_dict(state))
         buffers = [self._buffer(i, t) for i, t in enumerate(tensors)]
         del self._buffers[len(tensors):]
-        later = [i for i, t in enumerate(tensors) if t.untyped_storage().data_ptr() in defer] if defer else []
-        now = sorted(set(range(len(tensors))) - set(later))
-        _copy(buffers, tensors, now)
-        return Staged(skeleton, buffers, names), lambda: _copy(buffers, tensors, later)
+        order = write_order(skeleton, tensors)  # the order the writer reads them in
+        later = {i for i in order if tensors[i].untyped_storage().data_ptr() in defer} if defer else set()
+        return Snapshot(skeleton, tensors, buffers, names, order, later)
 
     def _buffer(self, i: int, t: torch.Tensor) -> torch.Tensor:
         if i < len(self._buffers):
@@ -64,14 +67,35 @@ class Stager:
         return buf
 
 
-def _copy(buffers: list[torch.Tensor], tensors: list[torch.Tensor], which: list[int]) -> None:
-    any_cuda = False
-    with torch.no_grad():
-        for i in which:
-            buffers[i].copy_(tensors[i].detach(), non_blocking=tensors[i].device.type == "cuda")
-            any_cuda |= tensors[i].device.type == "cuda"
-    if any_cuda:
-        torch.cuda.synchronize()  # the snapshot is complete before anyone may change the sources
+class Snapshot:
+    """One save's staging copy: ``copy_now`` on save()'s thread, ``copy_rest`` (the deferred
+    tensors) on the writer's; ``staged`` is written while they run (see handoff.py)."""
+
+    def __init__(self, skeleton, tensors, buffers, names, order: list[int], later: set[int]) -> None:
+        self.handoff = Handoff(tensors, buffers, order, later)
+        self._now = set(order) - later
+        self._later = later
+        self.staged = Staged(skeleton, buffers, names, handoff=self.handoff)
+        self.settled = threading.Event()  # save() is done with it: copied, or failed, and its cost recorded
+
+    def copy_now(self) -> None:
+        self.handoff.copy_back_to_front(self._now)
+
+    def copy_rest(self) -> None:
+        self.handoff.copy_all(self._later)
+
+
+class Unstaged:
+    """What the writer takes when there is no staging copy: the caller's own tensors, unchanged
+    until the commit (the DCP writer)."""
+
+    def __init__(self, staged: Staged) -> None:
+        self.staged = staged
+        self.settled = threading.Event()
+        self.settled.set()
+
+    def copy_rest(self) -> None:
+        pass
 
 
 class StepHold:

@@ -40,6 +40,7 @@ import warnings
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import wait as futures_wait
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,9 +76,10 @@ from ..errors import (
     TieredCkptError,
     WriterConflictError,
 )
+from .handoff import CopyAborted
 from .runlog import RunLog, fork_run
 from .signals import Requests, handle_signals
-from .staging import Stager, StepHold
+from .staging import Stager, StepHold, Unstaged
 from .stats import Stats
 
 if TYPE_CHECKING:
@@ -388,16 +390,28 @@ class CheckpointStore(AbstractContextManager):
         self.requests.clear_save()  # a signal from now on asks for another save
         staging = time.monotonic()
         defer = self._hold.owned(state) if (self.overlap if overlap is None else overlap) else set()
-        staged, rest = self._stager.stage_split(state, defer)
-        now = time.monotonic()
-        cost = {"blocked_s": now - entered, "staging_s": now - staging}
+        snapshot = self._stager.stage_split(state, defer)
+        cost = {"blocked_s": 0.0, "staging_s": 0.0}
+        # The writer starts before the copy and writes each part as it is copied (staging.Snapshot):
+        # the previous write is finished (_ready_for), so the buffers are ours. A copy that fails
+        # stops the writer before its commit, and save() raises: nothing of this step is committed.
         if defer:
             self._hold.hold()  # released on the writer thread once the rest is copied
         try:
-            future = self._writer.submit(self._write, step, staged, user, param_span, cost, rest if defer else None)
+            future = self._writer.submit(self._write, step, snapshot, user, param_span, cost, bool(defer))
         except BaseException:
             self._hold.release()
             raise
+        try:
+            snapshot.copy_now()
+        except BaseException:
+            snapshot.handoff.fail()  # also when it came after the last part was copied
+            snapshot.settled.set()
+            futures_wait([future])  # stopped at a missing part (CopyAborted); the buffers are free again
+            raise
+        now = time.monotonic()
+        cost.update(blocked_s=now - entered, staging_s=now - staging)
+        snapshot.settled.set()  # cost is complete: the writer may record it
         self._pending = SaveHandle(step, future, self._hold)
         self._stats.blocked(cost["blocked_s"])
         return self._pending
@@ -416,22 +430,23 @@ class CheckpointStore(AbstractContextManager):
         copy: for a caller that leaves the tensors unchanged until this returns (the DCP writer,
         inside ``dcp.save``, or on ``dcp.async_save``'s own staged copy). Every rank calls it."""
         self._ready_for(step)
-        staged = Staged(*tree.flatten(state))
-        future = self._writer.submit(self._write, step, staged, user, None, {"blocked_s": 0.0, "staging_s": 0.0})
+        snapshot = Unstaged(Staged(*tree.flatten(state)))
+        future = self._writer.submit(self._write, step, snapshot, user, None, {"blocked_s": 0.0, "staging_s": 0.0})
         self._pending = SaveHandle(step, future)
         return self._pending.wait()
 
-    def _write(self, step: int, staged, user, param_span, cost: dict, rest=None) -> ShardManifest:
-        # Runs on the writer thread. Order: (overlap) the deferred copy, then the optimizers'
-        # step() may go on -> loss history durable up to this step ->
-        # checkpoint committed atomically (on every rank: ranks.commit_rank) ->
-        # latest moved -> queued for upload -> old steps rotated out.
+    def _write(self, step: int, snapshot, user, param_span, cost: dict, deferred: bool = False) -> ShardManifest:
+        # Runs on the writer thread, beside save()'s copy. Order: (overlap) the deferred copy, then
+        # the optimizers' step() may go on -> loss history durable up to this step ->
+        # checkpoint committed atomically (on every rank: ranks.commit_rank), each part written
+        # once save() has copied it -> latest moved -> queued for upload -> old steps rotated out.
+        staged = snapshot.staged
         self.run.sync()
         self.local.clean_stale_once()
-        if rest is not None:
+        if deferred:
             copy_started = time.perf_counter()
             try:
-                rest()
+                snapshot.copy_rest()
             finally:
                 self._hold.release()
             cost["deferred_s"] = time.perf_counter() - copy_started
@@ -447,10 +462,14 @@ class CheckpointStore(AbstractContextManager):
                     self._make_room(step, staged.nbytes * self._node_ranks)
                     manifest = commit_rank(self.local.root, step, staged, self._commit_ranks,
                                            param_span=param_span, user=user, wall_clock_seconds=wall)
+        except CopyAborted:
+            raise  # save() raised the copy's own error to its caller
         except Exception as exc:
             self._stats.save_failed(step, f"{type(exc).__name__}: {exc}")
             raise
-        self._after_commit(step, manifest, cost, time.perf_counter() - started, spent)
+        write_s = time.perf_counter() - started
+        snapshot.settled.wait()  # save() has recorded the copy's cost
+        self._after_commit(step, manifest, cost, write_s, spent)
         return manifest
 
     def _after_commit(self, step: int, manifest: ShardManifest, cost: dict, write_s: float, spent) -> None:
@@ -558,6 +577,8 @@ class CheckpointStore(AbstractContextManager):
         try:
             return write()
         except DiskFullError:
+            if staged.handoff is not None and staged.handoff.read_live:
+                raise  # its first parts came from live tensors, which have moved on: the next save retries
             if not self._make_room(step, None):
                 raise  # nothing may be evicted: today's clear error, nothing committed touched
             return write()

@@ -118,7 +118,8 @@ def write_rank(path: Path, state: Any, sha256: bool = True):
     from .._format.shardfile import write_flattened, write_shard
     from .._format.tree import Staged
     if isinstance(state, Staged):  # already snapshotted by the store
-        return write_flattened(path, state.skeleton, state.tensors, state.names, sha256=sha256)
+        return write_flattened(path, state.skeleton, state.tensors, state.names, sha256=sha256,
+                               handoff=state.handoff)
     return write_shard(path, state, sha256=sha256)
 
 

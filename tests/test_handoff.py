@@ -1,0 +1,175 @@
+"""A save's copy and its write run side by side (handoff.py): the writer reads the parts save() has
+not reached from the live tensors while the loop is blocked, and the staged copies of the rest.
+Whichever side is slow, the checkpoint is exactly the state at save(), even when the loop
+overwrites every tensor the moment save() returns; a copy that fails commits nothing."""
+
+from __future__ import annotations
+
+import errno
+import os
+import time
+
+import pytest
+import torch
+
+from tieredckpt import BackgroundSaveError, CheckpointStore, DiskFullError
+from tieredckpt._format import directwrite
+from tieredckpt._format.compare import first_difference
+from tieredckpt._loop import handoff
+from tieredckpt._loop.handoff import Handoff
+
+MB = 1 << 20
+
+
+def state_of_every_kind() -> dict:
+    """~44 MB (past MIN_DIRECT, so the O_DIRECT writer, which may read live tensors): tensors
+    larger than a part and smaller, a transposed (non-contiguous) one, bf16, 0-d, plain values."""
+    g = torch.Generator().manual_seed(3)
+    return {"big": torch.randn(9 * MB, generator=g),
+            "mid": torch.randn(1 * MB + 7, generator=g),
+            "t": torch.randn(512, 1024, generator=g).t(),
+            "half": torch.randn(3 * MB, generator=g).to(torch.bfloat16),
+            "small": [torch.randn(17, generator=g) for _ in range(40)],
+            "count": torch.tensor(5), "step": 11}
+
+
+def clone(state):
+    return {k: (v.clone() if isinstance(v, torch.Tensor) else [t.clone() for t in v] if isinstance(v, list) else v)
+            for k, v in state.items()}
+
+
+def overwrite(state) -> None:
+    """What the loop does the moment save() returns: every tensor changes in place."""
+    with torch.no_grad():
+        for v in state.values():
+            for t in (v if isinstance(v, list) else [v]):
+                if isinstance(t, torch.Tensor):
+                    t.fill_(-7)
+
+
+def watch_takes(monkeypatch) -> list[bool]:
+    """True for each part the writer read live, False for each it read staged."""
+    taken: list[bool] = []
+    real = Handoff._take
+
+    def take(self, k, live_ok):
+        live = real(self, k, live_ok)
+        taken.append(live)
+        return live
+    monkeypatch.setattr(Handoff, "_take", take)
+    return taken
+
+
+def slow(monkeypatch, side: str) -> None:
+    """"copy": the writer gets far into the live tensors. "writer" too: it also holds each part
+    a while before it copies it into its own buffers, so save() must wait for it to let go."""
+    real = Handoff._copy
+    monkeypatch.setattr(Handoff, "_copy", lambda self, k: (time.sleep(0.004), real(self, k)))
+    if side == "writer":
+        real_add = directwrite._Writer.add
+        monkeypatch.setattr(directwrite._Writer, "add", lambda self, piece: (time.sleep(0.02), real_add(self, piece)))
+
+
+def direct_or_skip(directory) -> None:
+    fd = os.open(directory / "probe", os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        if not directwrite.enable_direct(fd):
+            pytest.skip("this filesystem refuses O_DIRECT: the writer never reads live tensors here")
+    finally:
+        os.close(fd)
+        os.unlink(directory / "probe")
+
+
+@pytest.mark.parametrize("side", ["copy", "writer"])
+def test_whichever_side_is_slow_the_checkpoint_is_the_state_at_save_though_the_loop_overwrites_it(tmp_path, monkeypatch, side):
+    direct_or_skip(tmp_path)
+    taken = watch_takes(monkeypatch)
+    slow(monkeypatch, side)
+    state = state_of_every_kind()
+    expected = clone(state)
+    with CheckpointStore(tmp_path / "run", every=0) as store:
+        handle = store.save(1, state)
+        overwrite(state)  # at once: a live read after save() returned would catch this
+        handle.wait()
+        back = store.restore(1)
+    assert first_difference(expected, back) is None
+    assert True in taken and False in taken  # both ways really happened: live reads, staged copies
+
+
+def test_every_save_of_a_run_is_its_own_state_as_buffers_are_reused(tmp_path):
+    direct_or_skip(tmp_path)
+    state = state_of_every_kind()
+    saved = {}
+    with CheckpointStore(tmp_path / "run", every=0, keep_local=3) as store:
+        for step in (1, 2, 3):
+            with torch.no_grad():
+                state["big"].add_(step)
+                state["t"].mul_(-1)
+            saved[step] = clone(state)
+            store.save(step, state)
+            overwrite(state)
+            state.update(clone(saved[step]))
+        store.wait()
+        for step in (1, 2, 3):
+            assert first_difference(saved[step], store.restore(step)) is None
+
+
+def test_a_copy_that_fails_midway_raises_from_save_and_commits_nothing(tmp_path, monkeypatch):
+    calls = []
+    real = Handoff._copy
+
+    def failing(self, k):
+        calls.append(k)
+        if len(calls) == 3:
+            raise RuntimeError("the copy broke")
+        real(self, k)
+    monkeypatch.setattr(Handoff, "_copy", failing)
+    state = state_of_every_kind()
+    with CheckpointStore(tmp_path / "run", every=0) as store:
+        with pytest.raises(RuntimeError, match="the copy broke"):
+            store.save(1, state)
+        assert store.latest_step() is None and store.stats()["save_failures"] == 0
+        monkeypatch.setattr(Handoff, "_copy", real)
+        store.save(1, state).wait()  # the same step, again: nothing of the failed one is in the way
+        assert first_difference(state, store.restore(1)) is None
+
+
+def test_a_disk_full_after_live_reads_fails_that_save_alone_and_is_not_written_again_from_stale_buffers(tmp_path, monkeypatch):
+    """A retry after a full disk (room made by rotating step 1 out) would need the parts read
+    live, and the loop has moved on since: that save fails as a full disk, step 1 stays."""
+    direct_or_skip(tmp_path)
+    state = state_of_every_kind()
+    with CheckpointStore(tmp_path / "run", every=0, keep_local=2) as store:
+        store.save(1, state).wait()
+        store.save(2, state).wait()
+        taken = watch_takes(monkeypatch)
+        slow(monkeypatch, "copy")
+        real_write, calls = directwrite.write_block, []
+
+        def full_once(fd, data):
+            calls.append(1)
+            if len(calls) == 2:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return real_write(fd, data)
+        monkeypatch.setattr(directwrite, "write_block", full_once)
+        handle = store.save(3, state)
+        overwrite(state)
+        with pytest.raises(BackgroundSaveError) as failed:
+            handle.wait()
+        assert isinstance(failed.value.__cause__, DiskFullError) and True in taken
+        assert [c.step for c in store.list()] == [1, 2]  # nothing committed was given up for it
+        fresh = state_of_every_kind()
+        store.save(4, fresh).wait()
+        assert first_difference(fresh, store.restore(4)) is None
+
+
+def test_parts_are_whole_elements_and_cover_every_byte_once():
+    buffers = [torch.empty(n, dtype=d) for n, d in ((0, torch.float32), (5, torch.bfloat16),
+                                                     (handoff.PART // 4 + 3, torch.float32),
+                                                     (handoff.PART // 2, torch.float16))]
+    h = Handoff(buffers, buffers, list(range(len(buffers))), set())
+    for i, b in enumerate(buffers):
+        cuts = [(s, e) for j, s, e in h.parts if j == i]
+        assert cuts[0][0] == 0 and cuts[-1][1] == b.numel() * b.element_size()
+        assert all(a[1] == c[0] for a, c in zip(cuts, cuts[1:]))
+        assert all(s % b.element_size() == 0 and e - s <= handoff.PART for s, e in cuts)
