@@ -96,8 +96,11 @@ def test_whichever_side_is_slow_the_checkpoint_is_the_state_at_save_though_the_l
     assert True in taken and False in taken  # both ways really happened: live reads, staged copies
 
 
-def test_every_save_of_a_run_is_its_own_state_as_buffers_are_reused(tmp_path):
+def test_every_save_of_a_run_is_its_own_state_and_only_new_buffers_are_read_around(tmp_path, monkeypatch):
+    """Once the buffers are ours the copy is quick on all cores: the writer waits for it."""
     direct_or_skip(tmp_path)
+    taken = watch_takes(monkeypatch)
+    slow(monkeypatch, "copy")
     state = state_of_every_kind()
     saved = {}
     with CheckpointStore(tmp_path / "run", every=0, keep_local=3) as store:
@@ -106,32 +109,38 @@ def test_every_save_of_a_run_is_its_own_state_as_buffers_are_reused(tmp_path):
                 state["big"].add_(step)
                 state["t"].mul_(-1)
             saved[step] = clone(state)
-            store.save(step, state)
+            taken.clear()
+            store.save(step, state).wait()
+            assert (True in taken) == (step == 1)  # live reads into the first save's new buffers alone
             overwrite(state)
             state.update(clone(saved[step]))
-        store.wait()
         for step in (1, 2, 3):
             assert first_difference(saved[step], store.restore(step)) is None
 
 
-def test_a_copy_that_fails_midway_raises_from_save_and_commits_nothing(tmp_path, monkeypatch):
+@pytest.mark.parametrize("buffers", ["new", "reused"])
+def test_a_copy_that_fails_midway_raises_from_save_and_commits_nothing(tmp_path, monkeypatch, buffers):
     calls = []
-    real = Handoff._copy
+    real_copy = torch.Tensor.copy_
 
-    def failing(self, k):
-        calls.append(k)
+    def failing(self, *args, **kwargs):
+        calls.append(1)
         if len(calls) == 3:
             raise RuntimeError("the copy broke")
-        real(self, k)
-    monkeypatch.setattr(Handoff, "_copy", failing)
+        return real_copy(self, *args, **kwargs)
     state = state_of_every_kind()
     with CheckpointStore(tmp_path / "run", every=0) as store:
+        if buffers == "reused":
+            store.save(1, state).wait()
+        monkeypatch.setattr(Handoff, "_copy", lambda self, k: failing(self._buffers[self.parts[k][0]], self._sources[self.parts[k][0]]))
+        monkeypatch.setattr(torch.Tensor, "copy_", failing)
         with pytest.raises(RuntimeError, match="the copy broke"):
-            store.save(1, state)
-        assert store.latest_step() is None and store.stats()["save_failures"] == 0
-        monkeypatch.setattr(Handoff, "_copy", real)
-        store.save(1, state).wait()  # the same step, again: nothing of the failed one is in the way
-        assert first_difference(state, store.restore(1)) is None
+            store.save(2, state)
+        monkeypatch.undo()
+        assert store.latest_step() == (1 if buffers == "reused" else None)
+        assert store.stats()["save_failures"] == 0  # save() raised it; no background failure to report
+        store.save(2, state).wait()  # the same step, again: nothing of the failed one is in the way
+        assert first_difference(state, store.restore(2)) is None
 
 
 def test_a_disk_full_after_live_reads_fails_that_save_alone_and_is_not_written_again_from_stale_buffers(tmp_path, monkeypatch):
@@ -140,8 +149,8 @@ def test_a_disk_full_after_live_reads_fails_that_save_alone_and_is_not_written_a
     direct_or_skip(tmp_path)
     state = state_of_every_kind()
     with CheckpointStore(tmp_path / "run", every=0, keep_local=2) as store:
-        store.save(1, state).wait()
-        store.save(2, state).wait()
+        store.save(1, {"x": torch.ones(3)}).wait()
+        store.save(2, {"x": torch.ones(3)}).wait()  # step 3's buffers are new: its writer reads live
         taken = watch_takes(monkeypatch)
         slow(monkeypatch, "copy")
         real_write, calls = directwrite.write_block, []
@@ -167,7 +176,7 @@ def test_parts_are_whole_elements_and_cover_every_byte_once():
     buffers = [torch.empty(n, dtype=d) for n, d in ((0, torch.float32), (5, torch.bfloat16),
                                                      (handoff.PART // 4 + 3, torch.float32),
                                                      (handoff.PART // 2, torch.float16))]
-    h = Handoff(buffers, buffers, list(range(len(buffers))), set())
+    h = Handoff(buffers, buffers, list(range(len(buffers))), set(), set(range(len(buffers))))
     for i, b in enumerate(buffers):
         cuts = [(s, e) for j, s, e in h.parts if j == i]
         assert cuts[0][0] == 0 and cuts[-1][1] == b.numel() * b.element_size()

@@ -13,7 +13,7 @@ from tieredckpt._format.compare import first_difference
 from tieredckpt._loop import staging
 from tieredckpt._loop.handoff import Handoff
 
-real_now, real_rest = Handoff.copy_back_to_front, Handoff.copy_all
+real_now, real_rest = Handoff.copy_now, Handoff.copy_all
 
 
 def slow_background_copy(log: list, trained_on: threading.Event | None = None):
@@ -33,7 +33,7 @@ def slow_background_copy(log: list, trained_on: threading.Event | None = None):
 
 def slowed(monkeypatch, log: list, trained_on: threading.Event | None = None) -> None:
     now, rest = slow_background_copy(log, trained_on)
-    monkeypatch.setattr(Handoff, "copy_back_to_front", now)
+    monkeypatch.setattr(Handoff, "copy_now", now)
     monkeypatch.setattr(Handoff, "copy_all", rest)
 
 

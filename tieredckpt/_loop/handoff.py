@@ -16,6 +16,12 @@ state at the moment of save(), as with a full copy, and the loop waits less: in 
 where every staging page is new memory the host must back first (~0.2 s per GB here), the parts
 the writer reads directly are never copied.
 
+This is for new buffers only (the first save, or a tensor whose shape changed). Once the
+buffers are ours the copy runs at memory speed on all cores, and a writer beside it would
+only slow it (measured: the loop's wait went from 0.09 to 0.15 s per 1.44 GB), so the writer
+starts once the copy is done, as before. The pages of the parts the first save's writer read live are
+left untouched; the second save touches them, once.
+
 Only a reader that is done with a view before it asks for the next one may read live tensors
 (``live_ok``): the O_DIRECT writer copies each part into its own aligned buffers at once; the
 page-cache writer hands views to checksum threads that may read them later, so it waits for
@@ -45,25 +51,57 @@ class Handoff:
     """The parts of one save, and who has each."""
 
     def __init__(self, sources: list[torch.Tensor], buffers: list[torch.Tensor], order: list[int],
-                 deferred: set[int]) -> None:
+                 deferred: set[int], fresh: set[int]) -> None:
         self._sources, self._buffers = sources, buffers
-        # A live tensor may be read by the writer only when it is a plain CPU tensor whose bytes
-        # are the buffer's, and not deferred (copied later, while the loop runs: see staging.py).
-        # Only such a tensor is cut into parts; any other is copied whole.
-        readable = {i for i in order if i not in deferred and _readable(sources[i])}
+        # A live tensor may be read by the writer only when its buffer is new (``fresh``: the
+        # first save, or a shape changed), it is a plain CPU tensor whose bytes are the buffer's,
+        # and not deferred (copied later, while the loop runs: see staging.py). Only such a tensor
+        # is cut into parts; any other is copied whole, by torch on all cores.
+        readable = {i for i in order if i in fresh and i not in deferred and _readable(sources[i])}
         self.parts = [(i, start, end) for i in order
                       for start, end in (_cuts(buffers[i]) if i in readable else [(0, _nbytes(buffers[i]))])]
         self._live_ok = [i in readable for i, _, _ in self.parts]
+        self.reads_live = bool(readable)  # else the writer starts once the copy is done
         self._state = [_NEW] * len(self.parts)
         self._cond = threading.Condition()
         self._reading_live = False
+        self._awaited: int | None = None  # the part the writer waits for
         self._copy_done = False  # save() has returned, or is about to: no live reads from now on
         self._failed = False
         self.read_live = False  # some part was written straight from a live tensor
 
     # save()'s side
 
-    def copy_back_to_front(self, which: set[int]) -> None:
+    def copy_now(self, which: set[int]) -> None:
+        """save()'s copy of tensors ``which``: around the writer into new buffers, else at once."""
+        if self.reads_live:
+            self._copy_back_to_front(which)
+        else:
+            self._copy_whole(which)
+
+    def _copy_whole(self, which: set[int]) -> None:
+        """Every tensor at once, by torch on all cores; the writer starts after (the old way: with
+        the buffers ours, the per-part hand-over only cost time, 0.08 s against 0.06 s here)."""
+        try:
+            on_cuda = False
+            with torch.no_grad():
+                for i in sorted(which):
+                    src = self._sources[i].detach()
+                    self._buffers[i].copy_(src, non_blocking=src.device.type == "cuda")
+                    on_cuda |= src.device.type == "cuda"
+            if on_cuda:
+                torch.cuda.synchronize()  # the snapshot is complete before anyone may change the sources
+        except BaseException:
+            self.fail()
+            raise
+        with self._cond:
+            for k, (i, _, _) in enumerate(self.parts):
+                if i in which:
+                    self._state[k] = _COPIED
+            self._copy_done = True
+            self._cond.notify_all()
+
+    def _copy_back_to_front(self, which: set[int]) -> None:
         """Copy the parts of tensors ``which`` (CUDA ones first, all at once, then the rest from
         the last part backwards) until meeting the writer; then wait until it has let go of
         every live tensor."""
@@ -132,7 +170,8 @@ class Handoff:
     def _mark(self, k: int) -> None:
         with self._cond:
             self._state[k] = _COPIED
-            self._cond.notify_all()
+            if k == self._awaited:  # wake the writer only for the part it waits on, not for each
+                self._cond.notify_all()
 
     # the writer's side
 
@@ -170,7 +209,9 @@ class Handoff:
                                        "attempt, and the loop has moved on since: it cannot be written again")
                 if self._failed:
                     raise CopyAborted("the staging copy failed; this step is not written")
+                self._awaited = k
                 self._cond.wait()
+            self._awaited = None
             return False
 
 

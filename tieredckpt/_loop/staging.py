@@ -47,17 +47,20 @@ class Stager:
         pointers), ``copy_rest`` the deferred rest. Its ``staged`` may be handed to the writer
         before either runs (see handoff.py)."""
         skeleton, tensors, names = tree.flatten(to_state_dict(state))
+        reused = [self._reusable(i, t) for i, t in enumerate(tensors)]
         buffers = [self._buffer(i, t) for i, t in enumerate(tensors)]
         del self._buffers[len(tensors):]
         order = write_order(skeleton, tensors)  # the order the writer reads them in
         later = {i for i in order if tensors[i].untyped_storage().data_ptr() in defer} if defer else set()
-        return Snapshot(skeleton, tensors, buffers, names, order, later)
+        fresh = {i for i, old in enumerate(reused) if not old}
+        return Snapshot(skeleton, tensors, buffers, names, order, later, fresh)
+
+    def _reusable(self, i: int, t: torch.Tensor) -> bool:
+        return i < len(self._buffers) and self._buffers[i].shape == t.shape and self._buffers[i].dtype == t.dtype
 
     def _buffer(self, i: int, t: torch.Tensor) -> torch.Tensor:
-        if i < len(self._buffers):
-            buf = self._buffers[i]
-            if buf.shape == t.shape and buf.dtype == t.dtype:
-                return buf
+        if self._reusable(i, t):
+            return self._buffers[i]
         buf = torch.empty(t.shape, dtype=t.dtype, device="cpu",
                           pin_memory=self._pin and t.device.type == "cuda")
         if i < len(self._buffers):
@@ -71,15 +74,21 @@ class Snapshot:
     """One save's staging copy: ``copy_now`` on save()'s thread, ``copy_rest`` (the deferred
     tensors) on the writer's; ``staged`` is written while they run (see handoff.py)."""
 
-    def __init__(self, skeleton, tensors, buffers, names, order: list[int], later: set[int]) -> None:
-        self.handoff = Handoff(tensors, buffers, order, later)
+    def __init__(self, skeleton, tensors, buffers, names, order: list[int], later: set[int],
+                 fresh: set[int]) -> None:
+        self.handoff = Handoff(tensors, buffers, order, later, fresh)
         self._now = set(order) - later
         self._later = later
         self.staged = Staged(skeleton, buffers, names, handoff=self.handoff)
         self.settled = threading.Event()  # save() is done with it: copied, or failed, and its cost recorded
 
+    @property
+    def reads_live(self) -> bool:
+        """Whether the writer may read live tensors (new buffers), so starts beside the copy."""
+        return self.handoff.reads_live
+
     def copy_now(self) -> None:
-        self.handoff.copy_back_to_front(self._now)
+        self.handoff.copy_now(self._now)
 
     def copy_rest(self) -> None:
         self.handoff.copy_all(self._later)
@@ -88,6 +97,8 @@ class Snapshot:
 class Unstaged:
     """What the writer takes when there is no staging copy: the caller's own tensors, unchanged
     until the commit (the DCP writer)."""
+
+    reads_live = False
 
     def __init__(self, staged: Staged) -> None:
         self.staged = staged

@@ -441,6 +441,8 @@ class CheckpointStore(AbstractContextManager):
         # checkpoint committed atomically (on every rank: ranks.commit_rank), each part written
         # once save() has copied it -> latest moved -> queued for upload -> old steps rotated out.
         staged = snapshot.staged
+        if not snapshot.reads_live:
+            snapshot.settled.wait()  # buffers already ours: the copy is quick on all cores, left alone
         self.run.sync()
         self.local.clean_stale_once()
         if deferred:
