@@ -65,6 +65,21 @@ def rewrite_manifest(directory: os.PathLike, mutate) -> None:
     path.write_text(json.dumps(raw))
 
 
+def disk_full_at_write(monkeypatch, nth: int) -> None:
+    """The direct writer's ``nth`` block write (directwrite.write_block) fails with ENOSPC."""
+    import errno
+
+    from tieredckpt._format import directwrite
+    real_write, calls = directwrite.write_block, []
+
+    def full(fd, data):
+        calls.append(1)
+        if len(calls) == nth:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(fd, data)
+    monkeypatch.setattr(directwrite, "write_block", full)
+
+
 def flip_byte(path: os.PathLike, offset: int) -> None:
     with open(path, "r+b") as f:
         f.seek(offset)

@@ -12,6 +12,7 @@ import threading
 import crc32c
 import pytest
 import torch
+from conftest import disk_full_at_write
 
 from tieredckpt._format import directwrite
 from tieredckpt._format.checksum import crc_hex
@@ -81,14 +82,7 @@ def test_a_filesystem_that_wants_another_alignment_gets_the_rest_through_the_pag
 
 
 def test_a_full_disk_mid_write_raises_on_the_callers_thread_and_leaves_nothing_running(tmp_path, monkeypatch):
-    real_write, calls = directwrite.write_block, []
-
-    def full(fd, data):
-        calls.append(1)
-        if len(calls) == 2:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return real_write(fd, data)
-    monkeypatch.setattr(directwrite, "write_block", full)
+    disk_full_at_write(monkeypatch, 2)
     big = [byte_view(torch.zeros(80 * MB, dtype=torch.uint8))]  # five blocks: the caller waits for buffers
     fd = new_file(tmp_path / "f")
     direct_or_skip(fd)

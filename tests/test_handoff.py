@@ -5,12 +5,12 @@ overwrites every tensor the moment save() returns; a copy that fails commits not
 
 from __future__ import annotations
 
-import errno
 import os
 import time
 
 import pytest
 import torch
+from conftest import disk_full_at_write
 
 from tieredckpt import BackgroundSaveError, CheckpointStore, DiskFullError
 from tieredckpt._format import directwrite
@@ -153,14 +153,7 @@ def test_a_disk_full_after_live_reads_fails_that_save_alone_and_is_not_written_a
         store.save(2, {"x": torch.ones(3)}).wait()  # step 3's buffers are new: its writer reads live
         taken = watch_takes(monkeypatch)
         slow(monkeypatch, "copy")
-        real_write, calls = directwrite.write_block, []
-
-        def full_once(fd, data):
-            calls.append(1)
-            if len(calls) == 2:
-                raise OSError(errno.ENOSPC, "No space left on device")
-            return real_write(fd, data)
-        monkeypatch.setattr(directwrite, "write_block", full_once)
+        disk_full_at_write(monkeypatch, 2)
         handle = store.save(3, state)
         overwrite(state)
         with pytest.raises(BackgroundSaveError) as failed:

@@ -68,7 +68,11 @@ class Handoff:
         self._awaited: int | None = None  # the part the writer waits for
         self._copy_done = False  # save() has returned, or is about to: no live reads from now on
         self._failed = False
-        self.read_live = False  # some part was written straight from a live tensor
+
+    @property
+    def read_live(self) -> bool:
+        """Some part was written straight from a live tensor."""
+        return _LIVE in self._state
 
     # save()'s side
 
@@ -83,14 +87,7 @@ class Handoff:
         """Every tensor at once, by torch on all cores; the writer starts after (the old way: with
         the buffers ours, the per-part hand-over only cost time, 0.08 s against 0.06 s here)."""
         try:
-            on_cuda = False
-            with torch.no_grad():
-                for i in sorted(which):
-                    src = self._sources[i].detach()
-                    self._buffers[i].copy_(src, non_blocking=src.device.type == "cuda")
-                    on_cuda |= src.device.type == "cuda"
-            if on_cuda:
-                torch.cuda.synchronize()  # the snapshot is complete before anyone may change the sources
+            self._copy_tensors(sorted(which))
         except BaseException:
             self.fail()
             raise
@@ -156,16 +153,22 @@ class Handoff:
             dst.copy_(src)
 
     def _copy_cuda(self, parts: list[int]) -> None:
-        if not parts:
-            return
-        with torch.no_grad():
-            for k in parts:
-                self._claim(k)
-                i = self.parts[k][0]
-                self._buffers[i].copy_(self._sources[i].detach(), non_blocking=True)
-        torch.cuda.synchronize()  # the snapshot is complete before anyone may change the sources
+        for k in parts:
+            self._claim(k)
+        self._copy_tensors([self.parts[k][0] for k in parts])
         for k in parts:
             self._mark(k)
+
+    def _copy_tensors(self, which: list[int]) -> None:
+        """Whole tensors by torch (GPU ones without blocking, then one synchronize)."""
+        on_cuda = False
+        with torch.no_grad():
+            for i in which:
+                src = self._sources[i].detach()
+                self._buffers[i].copy_(src, non_blocking=src.device.type == "cuda")
+                on_cuda |= src.device.type == "cuda"
+        if on_cuda:
+            torch.cuda.synchronize()  # the snapshot is complete before anyone may change the sources
 
     def _mark(self, k: int) -> None:
         with self._cond:
@@ -201,7 +204,7 @@ class Handoff:
                 raise CopyAborted("the staging copy failed; this step is not written")
             if live_ok and self._live_ok[k] and self._state[k] == _NEW and not self._copy_done:
                 self._state[k] = _LIVE
-                self._reading_live = self.read_live = True
+                self._reading_live = True
                 return True
             while self._state[k] != _COPIED:
                 if self._state[k] == _LIVE:  # the store does not write a save twice once this happened
