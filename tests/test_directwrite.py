@@ -134,3 +134,40 @@ def test_a_large_shard_on_a_tmpfs_round_trips_whichever_path_it_takes(tmpfs):
     save_sharded([state], root / "c", 1)
     (back,) = load_sharded(root / "c", 1, verify="sha256")
     assert torch.equal(back["w"], state["w"])
+
+
+def _huge_pages_backing(address: int) -> int:
+    """AnonHugePages (bytes) of the mapping of this process that holds ``address``."""
+    inside = False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                start, end = (int(x, 16) for x in head.split("-"))
+                inside = start <= address < end
+            elif inside and head == "AnonHugePages:":
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def test_buffers_are_whole_aligned_blocks_on_huge_page_boundaries():
+    buffer = directwrite._Buffer()
+    assert buffer.address % directwrite._HUGE == 0
+    assert len(buffer.view) == directwrite.BLOCK and not buffer.view.readonly
+    buffer.view[-1:] = b"\x01"  # the last byte is inside the mapping
+
+
+def _thp_mode() -> str | None:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return None
+
+
+@pytest.mark.skipif(_thp_mode() not in ("madvise", "always"), reason="this kernel has transparent huge pages off")
+def test_buffers_are_backed_by_huge_pages_so_a_direct_write_goes_out_in_large_requests():
+    """From 4 KiB pages a direct write's requests were 0.6-0.8 MiB here, at half the speed."""
+    buffer = directwrite._Buffer()
+    buffer.view[:] = bytes(directwrite.BLOCK)  # touched after the madvise: faulted in as huge pages
+    assert _huge_pages_backing(buffer.address) >= directwrite.BLOCK // 2

@@ -3,8 +3,9 @@
 Measured here in a fresh process (420 MB, write + fsync): through the page cache 0.36-0.63
 GB/s, because every page-cache page is new memory the VM's host must back first; the same
 bytes written with O_DIRECT from aligned buffers 2.5-2.9 GB/s. So a shard's bytes are copied,
-16 MiB at a time, into one of ``_DEPTH`` page-aligned buffers (a memcpy at memory speed) and
-an I/O thread writes each full buffer with O_DIRECT while the caller fills the next one. The
+16 MiB at a time, into one of ``_DEPTH`` aligned buffers on huge pages (a memcpy at memory
+speed; ``_Buffer`` says why huge pages) and an I/O thread writes each full buffer with
+O_DIRECT while the caller fills the next one. The
 crc32c (and sha256) are computed over exactly the bytes in the buffers, that is the file.
 
 Order of operations, and why a crash cannot matter here: the file is new (a scratch
@@ -36,7 +37,31 @@ _ALIGN = 4096  # of buffers, file offsets and lengths: the largest logical block
 _DEPTH = 3  # buffers: one being filled, one being written, one waiting for sha256
 MIN_DIRECT = 32 << 20  # smaller files go through the page cache, written straight from their tensors
 
-_pool: list[mmap.mmap] = []  # reused across writes: fresh memory costs more than the copy here
+_HUGE = 2 << 20  # a transparent huge page: the unit the buffers are aligned to and backed by
+
+
+class _Buffer:
+    """One aligned block of private anonymous memory, backed by huge pages where the kernel
+    allows (``enabled=madvise`` or ``always``). Why: a direct write's bio takes at most
+    ``max_segments`` (254 here) physically contiguous runs; from 4 KiB pages that caps a
+    request near 1 MiB, from 2 MiB pages it reaches the queue's ``max_sectors_kb`` (4 MiB
+    here), the size page-cache writeback sends. Measured here, 1.44 GB: 4 KiB pages 0.95-1.12 s
+    (requests of 0.6-0.8 MiB), huge pages 0.46-0.53 s (4 MiB), page-cache writeback 0.54-0.63 s.
+    Where huge pages are off this is the 4 KiB case, as before."""
+
+    def __init__(self) -> None:
+        # Over-allocated by one huge page so that an aligned BLOCK fits wherever the map lands;
+        # the unused slack is never touched, so never backed.
+        self.mapping = mmap.mmap(-1, BLOCK + _HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            self.mapping.madvise(mmap.MADV_HUGEPAGE)  # before the first touch, or it is too late
+        base = ctypes.addressof(ctypes.c_char.from_buffer(self.mapping))
+        offset = -base % _HUGE
+        self.address = base + offset
+        self.view = memoryview(self.mapping)[offset:offset + BLOCK]
+
+
+_pool: list[_Buffer] = []  # reused across writes: fresh memory costs more than the copy here
 _pool_lock = threading.Lock()
 
 
@@ -44,13 +69,13 @@ def direct_supported() -> bool:
     return hasattr(os, "O_DIRECT")
 
 
-def _take() -> list[mmap.mmap]:
+def _take() -> list[_Buffer]:
     with _pool_lock:
         got = [_pool.pop() for _ in range(min(_DEPTH, len(_pool)))]
-    return got + [mmap.mmap(-1, BLOCK) for _ in range(_DEPTH - len(got))]  # anonymous maps are page aligned
+    return got + [_Buffer() for _ in range(_DEPTH - len(got))]
 
 
-def _give_back(buffers: list[mmap.mmap]) -> None:
+def _give_back(buffers: list[_Buffer]) -> None:
     with _pool_lock:
         _pool.extend(buffers[:max(0, 2 * _DEPTH - len(_pool))])  # two writers' worth kept at most
 
@@ -76,8 +101,8 @@ class _Writer:
         self.fd, self.size, self.crc = fd, 0, 0
         self.direct = True
         self.buffers = _take()
-        self.views = [memoryview(b) for b in self.buffers]
-        self.addresses = [ctypes.addressof(ctypes.c_char.from_buffer(b)) for b in self.buffers]
+        self.views = [b.view for b in self.buffers]
+        self.addresses = [b.address for b in self.buffers]
         self.free: queue.SimpleQueue = queue.SimpleQueue()
         for i in range(_DEPTH):
             self.free.put(i)
