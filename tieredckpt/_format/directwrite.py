@@ -45,9 +45,10 @@ class _Buffer:
     allows (``enabled=madvise`` or ``always``). Why: a direct write's bio takes at most
     ``max_segments`` (254 here) physically contiguous runs; from 4 KiB pages that caps a
     request near 1 MiB, from 2 MiB pages it reaches the queue's ``max_sectors_kb`` (4 MiB
-    here), the size page-cache writeback sends. Measured here, 1.44 GB: 4 KiB pages 0.95-1.12 s
-    (requests of 0.6-0.8 MiB), huge pages 0.46-0.53 s (4 MiB), page-cache writeback 0.54-0.63 s.
-    Where huge pages are off this is the 4 KiB case, as before."""
+    here), the size page-cache writeback sends. Measured here, 1.44 GB write + fsync: 4 KiB
+    pages 0.95-1.12 s (requests of 0.6-0.8 MiB), huge pages 0.46-0.53 s (4 MiB), page-cache
+    writeback 0.54-0.63 s; on a slower day 1.03-1.46 s against 0.77-1.08 s. Where huge pages
+    are off this is the 4 KiB case, as before."""
 
     def __init__(self) -> None:
         # Over-allocated by one huge page so that an aligned BLOCK fits wherever the map lands;
