@@ -30,6 +30,12 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 from tieredckpt.lightning import TieredCheckpointIO, TieredModelCheckpoint, TieredModelParallelStrategy  # noqa: E402
 
 
+def say(line: str) -> None:
+    """One write per line: both ranks share the test's stdout pipe, and print() writes the text
+    and its newline apart, so two ranks' lines could interleave ("rank 1 pid 8746rank 0 ...")."""
+    os.write(1, (line + "\n").encode())
+
+
 class Sharded(L.LightningModule):
     def __init__(self) -> None:
         super().__init__()
@@ -82,11 +88,11 @@ class Gathered(L.Callback):
 
 class Progress(L.Callback):
     def on_train_start(self, trainer, pl_module):
-        print(f"rank {trainer.global_rank} pid {os.getpid()}", flush=True)
+        say(f"rank {trainer.global_rank} pid {os.getpid()}")
 
     def on_train_batch_end(self, trainer, *args):
         if trainer.global_rank == 0:
-            print(f"step {trainer.global_step}", flush=True)
+            say(f"step {trainer.global_step}")
 
 
 def main(root: str, url: str, epochs: int, devices: int, out: str) -> None:
@@ -101,7 +107,7 @@ def main(root: str, url: str, epochs: int, devices: int, out: str) -> None:
         enable_progress_bar=False, enable_model_summary=False, deterministic=True)
     trainer.fit(Sharded(), data, ckpt_path="last")
     if trainer.global_rank == 0:
-        print(f"global_step {trainer.global_step}", flush=True)
+        say(f"global_step {trainer.global_step}")
 
 
 if __name__ == "__main__":
