@@ -8,6 +8,7 @@ writers racing for a free lease, and re-commits of a committed step.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -121,7 +122,7 @@ def test_a_zombie_process_after_a_relaunch_takes_over_commits_nothing_more(tmp_p
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         for line in a.stdout:  # until A has uploaded a few steps
-            if line.split()[-1] != "None" and int(line.split()[-1]) >= 3:
+            if line.startswith("step ") and line.split()[-1] != "None" and int(line.split()[-1]) >= 3:
                 break
         b = open_store(tmp_path / "b", remote, takeover=True)
         resumed = b.restore()
@@ -202,10 +203,13 @@ def test_a_writer_whose_taker_has_left_notices_and_does_not_write_again(tmp_path
     a.save(1, state(1)).wait()
     assert a.wait(uploads=True, timeout=60)
     b = open_store(tmp_path / "b", remote, takeover=True)  # takes over while A cannot tell...
-    b.close()  # ...and leaves: writer.json is gone again
-    assert not a.uploader.lease.renew()  # A's next heartbeat: no record means someone owned it meanwhile
-    assert "was removed" in a.uploader.lease.lost
-    assert remote_tier(remote).t.get_optional("writer.json", 1 << 16) is None  # it did not write its own back
+    b.close()  # ...and leaves: writer.json is marked free, with B's generation kept
+    assert not a.uploader.lease.renew()  # A's next heartbeat: a later generation's record, free or not
+    assert "released it since" in a.uploader.lease.lost and a.uploader.lease.replaced
+    record = json.loads(remote_tier(remote).t.get_optional("writer.json", 1 << 16))
+    assert record["free"] and record["generation"] == 2 and record["token"] == b.uploader.lease.token
+    with pytest.raises(WriterConflictError, match="never writes there again"):
+        a.uploader.lease.acquire()  # the record is free, but A was replaced: it never takes it back
     close_quietly(a)
 
 

@@ -399,7 +399,7 @@ def cmd_push(args) -> int:
         if not pending:
             print(f"{remote.display_url}: already holds every local checkpoint")
             return 0
-        lease = WriterLease(remote.t)
+        lease = WriterLease(remote.t, floor=remote.newest_generation)
         lease.acquire()  # only the remote's one writer uploads
         total = sum(tier.manifest(s).total_size for s in pending)
         bar = _TransferBar(total, f"upload {len(pending)} checkpoint(s)")
@@ -457,7 +457,7 @@ def cmd_gc(args) -> int:
     from ._tiers.lease import WriterLease
     from .errors import WriterConflictError
     remote = _remote(args.remote_url, args)
-    lease = WriterLease(remote.t)
+    lease = WriterLease(remote.t, floor=remote.newest_generation)
     if not args.dry_run:  # gc deletes as the remote's one writer, fenced like any: a live one refuses it
         try:
             lease.acquire(takeover=args.force)
@@ -483,7 +483,7 @@ def _gc(remote, lease, args) -> int:
         print(f"step {step}: half-uploaded (no upload.json); " + ("would delete" if args.dry_run else "deleting"))
         if not args.dry_run:
             lease.fence()
-            remote.delete(step)
+            remote.delete(step, generation=lease.generation)
     orphans, why = remote.orphan_objects(args.grace, now)
     if why:
         print(f"{remote.display_url}: objects kept: {why}")

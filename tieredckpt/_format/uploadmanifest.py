@@ -58,7 +58,12 @@ class UploadManifest:
     checkpoint: dict  # the local manifest.json, embedded
     uploaded_unix: float
     schema_version: int = UPLOAD_SCHEMA
-    writer: dict | None = None  # {"token", "host", "pid"} of the writer that committed it (fencing)
+    writer: dict | None = None  # {"token", "host", "pid", "generation"} of the writer that committed it
+
+    @property
+    def generation(self) -> int:
+        """The lease generation of the writer that committed it (0: recorded before generations)."""
+        return generation_of(self.writer)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)
@@ -161,4 +166,10 @@ def _writer(raw) -> dict | None:
         return None
     host, pid = raw.get("host"), raw.get("pid")
     return {"token": raw["token"], "host": host[:255] if isinstance(host, str) else "?",
-            "pid": pid if type(pid) is int else None}
+            "pid": pid if type(pid) is int else None, "generation": generation_of(raw)}
+
+
+def generation_of(record: dict | None) -> int:
+    """A lease generation read from a writer record or a marker's writer (untrusted): 0 when absent."""
+    gen = (record or {}).get("generation")
+    return gen if type(gen) is int and 0 <= gen < 1 << 62 else 0

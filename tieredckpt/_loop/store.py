@@ -328,7 +328,7 @@ class CheckpointStore(AbstractContextManager):
             self._remote_down = True
         if self.read_only or self.rank != 0:
             return None
-        lease = WriterLease(remote.t)
+        lease = WriterLease(remote.t, floor=remote.newest_generation)
         if not getattr(self, "_remote_down", False):
             try:
                 lease.acquire(takeover=takeover)
@@ -958,13 +958,13 @@ class CheckpointStore(AbstractContextManager):
                            request_timeout=self.remote.t.request_timeout)
         try:
             _require_empty(child)  # before taking its lease: a live run's remote is refused for what it is
-            lease = WriterLease(child.t)
+            lease = WriterLease(child.t, floor=child.newest_generation)
             lease.acquire()
             try:
                 _require_empty(child)  # and under it: nobody committed there meanwhile
                 root = fork_run(self.local.root, step, new_run_dir)
                 try:
-                    child.copy_step_from(self.remote, step, writer=lease.identity(), fence=lease.fence)
+                    child.copy_step_from(self.remote, step, writer=lease.identity(), fence=lambda: lease.fence(commit=True))
                 except BaseException:
                     shutil.rmtree(root, ignore_errors=True)  # ours, made above: nothing of the user's is in it
                     raise

@@ -51,7 +51,7 @@ from .._format.checksum import crc32c_update, crc_hex, map_file
 from .._format.lossfile import merge_loss
 from .._format.manifest import ShardManifest
 from .._format.shardheader import FLOAT_WIDTHS, tensor_spans
-from .._format.uploadmanifest import MAX_UPLOAD_MANIFEST, PartEntry, UploadedFile, UploadManifest
+from .._format.uploadmanifest import MAX_UPLOAD_MANIFEST, PartEntry, UploadedFile, UploadManifest, generation_of
 from ..errors import (
     CheckpointNotFoundError,
     CommitRefusedError,
@@ -61,6 +61,7 @@ from ..errors import (
     RemoteError,
     RemoteNotFoundError,
     TieredCkptError,
+    WriterConflictError,
 )
 from .framepool import FramePool
 from .objects import Reuse, part_bounds
@@ -102,6 +103,7 @@ class RemoteTier:
         # buffers of a part (390 MiB at the defaults), only once something compressed was sent.
         self._frames = FramePool(part_size + (1 << 20))
         self._refs: dict[int, set[str]] = {}  # objects of committed steps (markers are create-only)
+        self._gens: dict[int, int] = {}  # the lease generation each marker read or written records
 
     @property
     def fs(self):
@@ -148,15 +150,62 @@ class RemoteTier:
         return self.t.exists(f"{layout.step_dir_name(step)}/{layout.UPLOAD_MANIFEST}")
 
     def newest_step(self) -> int | None:
-        """The newest committed step: two requests when the ``latest`` pointer is right (read it,
-        confirm its upload manifest); otherwise the step directories, newest first."""
+        """The newest committed step of the newest writer generation's timeline (lease.py).
+
+        Three requests when the ``latest`` pointer is right: read it, read its upload manifest,
+        and read the writer record to confirm that no later generation has committed since.
+        Otherwise (no pointer, or one a writer that was replaced left behind) the markers are
+        read newest first until one of that generation is found, and the newest of the highest
+        generation wins: a zombie's step numbered above the owner's newest is not newer."""
         pointer = self.latest_pointer()
-        if pointer is not None and self.is_committed(pointer):
-            return pointer
-        for step in reversed(self.step_dirs()):
-            if self.is_committed(step):
-                return step
-        return None
+        top = self.timeline_generation()
+        if pointer is not None:
+            gen = self.marker_generation(pointer, top)
+            if gen is not None and gen >= top:
+                return pointer
+        best: tuple[int, int] | None = None
+        for step in reversed(self.step_dirs()):  # newest first: the first of the top generation wins
+            found = self.marker_generation(step, top)
+            if found is not None and (best is None or (found, step) > best):
+                best = (found, step)
+                if found >= top:
+                    break
+        return None if best is None else best[1]
+
+    def marker_generation(self, step: int, unknown: int = 0) -> int | None:
+        """The generation a committed step's marker records; None when it is not committed. A
+        marker that cannot be parsed counts as ``unknown`` (as committed as any: restore names it)."""
+        try:
+            gen = self.upload_manifest(step).generation
+        except CheckpointNotFoundError:
+            return None
+        except ManifestError:
+            return unknown
+        self._gens[step] = gen
+        return gen
+
+    def timeline_generation(self) -> int:
+        """The generation whose timeline is the remote's newest, by the writer record: the record's
+        own when its writer has committed something (or may have: an older or unreadable record),
+        else the one it continued (its ``base``): a writer that took the remote and committed
+        nothing yet does not hide the timeline it resumed from. 0 without a record."""
+        data = self.t.get_optional(layout.WRITER_LEASE, 64 << 10)
+        try:
+            record = json.loads(data) if data is not None else None
+        except ValueError:
+            return 0
+        if not isinstance(record, dict):
+            return 0
+        if record.get("committed") is False:
+            base = record.get("base")
+            return base if type(base) is int and 0 <= base <= generation_of(record) else generation_of(record)
+        return generation_of(record)
+
+    def newest_generation(self) -> int:
+        """The lease generation of the newest committed step's writer (0: none, or unrecorded): the
+        timeline a new writer continues, and the floor its generation must exceed."""
+        step = self.newest_step()
+        return 0 if step is None else (self.marker_generation(step) or 0)
 
     def upload_manifest(self, step: int) -> UploadManifest:
         rel = f"{layout.step_dir_name(step)}/{layout.UPLOAD_MANIFEST}"
@@ -229,6 +278,7 @@ class RemoteTier:
                     f"{describe_writer(existing.writer)}); a committed step is never overwritten")
             return existing
         self._refs[manifest.step] = upload.objects()
+        self._gens[manifest.step] = upload.generation
         return upload
 
     def copy_step_from(self, source: RemoteTier, step: int, writer: dict | None = None,
@@ -453,15 +503,20 @@ class RemoteTier:
 
     # ---- deletion -----------------------------------------------------------------------
 
-    def delete(self, step: int) -> None:
+    def delete(self, step: int, generation: int | None = None) -> None:
         """Remove a remote step: its upload manifest first (it stops existing), then the objects
         no other committed step names, then its directory. What the others reference is read
         before anything goes: a failure to read it deletes nothing (retried later), and a marker
         that cannot be parsed keeps every object (gc decides once it can). Only the owning writer
-        calls this (see lease.py)."""
+        calls this (see lease.py), with its lease ``generation``: a step a later generation
+        committed is never deleted (WriterConflictError), whatever the fence said."""
         step_dir = layout.step_dir_name(step)
         doomed: set[str] = set()
         mine = self._objects_of(step)
+        if generation is not None and self._gens.get(step, 0) > generation:
+            raise WriterConflictError(f"{self.where(step_dir)}: step {step} was committed by a later writer "
+                                      f"(generation {self._gens[step]}, this one holds {generation}); "
+                                      "it is never deleted by an earlier one")
         if mine:
             others = self.referenced(exclude={step})
             doomed = mine - others if others is not None else set()
@@ -476,9 +531,11 @@ class RemoteTier:
         if step in self._refs:
             return set(self._refs[step])
         try:
-            return self.upload_manifest(step).objects()
+            upload = self.upload_manifest(step)
         except (CheckpointNotFoundError, ManifestError):
             return set()
+        self._gens[step] = upload.generation
+        return upload.objects()
 
     def referenced(self, exclude: AbstractSet[int] = frozenset(), cached: bool = True) -> set[str] | None:
         """Every object a committed step other than ``exclude`` names; None when a committed
@@ -491,12 +548,13 @@ class RemoteTier:
                 names |= self._refs[step]
                 continue
             try:
-                objects = self.upload_manifest(step).objects()
+                upload = self.upload_manifest(step)
             except CheckpointNotFoundError:
                 continue  # no marker: not a step (a half-upload's objects are gc's)
             except ManifestError:
                 return None
-            self._refs[step] = objects
+            objects = upload.objects()
+            self._refs[step], self._gens[step] = objects, upload.generation
             names |= objects
         return names
 

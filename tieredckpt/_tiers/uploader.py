@@ -467,7 +467,7 @@ class Uploader:
         if self.before_commit is not None:
             self.before_commit(step)
         if self.lease is not None:
-            self.lease.fence()
+            self.lease.fence(commit=True)
         writer = self.lease.identity() if self.lease is not None else None
         self.remote.commit_upload(self.local.manifest(step), self.codec, files, writer=writer)
         self.remote.write_latest(max(self.uploaded | {step}))
@@ -485,7 +485,7 @@ class Uploader:
         log.warning("%s: step %d there was committed by another writer (%s); replacing it with this run's "
                     "step %d", self.remote.display_url, step, describe_writer(by), step)
         self.index.forget(step)
-        self.remote.delete(step)
+        self.remote.delete(step, generation=self.lease.generation)
 
     def _uploaded(self, step: int, seconds: float) -> None:
         with self._cond:  # _current stays set until retention has had its turn: drain() waits for it
@@ -551,15 +551,16 @@ class Uploader:
 
     def _ensure_lease(self) -> None:
         """Own the prefix before a round. A lease we lost is taken again only through the normal
-        protocol (never a takeover): a live owner refuses us; a record that vanished (the remote
-        was wiped, or a taker left) is free. Then what the remote holds is read again."""
+        protocol (never a takeover), and never once a later writer was seen (lease.py: once
+        replaced, always replaced); a record that vanished with no later marker (a wiped remote)
+        is free. Then what the remote holds is read again."""
         if self.lease is None or self.lease.owned:
             return
         lost = self.lease.lost
         try:
             self.lease.acquire()
         except WriterConflictError:
-            if lost:
+            if lost and not self.lease.replaced:
                 raise WriterConflictError(f"{self.remote.display_url}: {lost}") from None
             raise
         if lost:
@@ -616,18 +617,33 @@ class Uploader:
         try:  # re-listed every time: steps we did not write (a late commit, another tool) are judged too
             dirs = set(self.remote.step_dirs())
             known = self.uploaded | self.retired
-            found = {s for s in dirs if s not in known and self.remote.is_committed(s)}
+            found = {s: g for s in dirs if s not in known and (g := self.remote.marker_generation(s)) is not None}
         except RemoteError as exc:
             log.warning("cannot list the remote for its retention policy (%s); retried later", exc)
             return
+        late = self._late_commits(found)
         with self._cond:
-            self.uploaded = (self.uploaded & dirs) | found  # what was deleted behind our back is gone
+            self.uploaded = (self.uploaded & dirs) | (set(found) - late)  # deleted behind our back: gone
+            self._deletions |= late
             self._scanned = True
         with self._cond:
             doomed = plan_eviction(self.uploaded, self.keep_remote, protected=[max(self.uploaded)])
             self.uploaded -= set(doomed)
             self.retired |= set(doomed)
             self._deletions |= set(doomed)
+
+    def _late_commits(self, found: dict[int, int]) -> set[int]:
+        """Steps an earlier generation committed above the remote's newest when we took it: a
+        replaced writer's commit that was in flight at the takeover. Never part of our timeline
+        (restore prefers ours by generation), so they are deleted, never kept by our policy."""
+        mine = None if self.lease is None else self.lease.generation
+        if mine is None or self._remote_top is None:
+            return set()
+        late = {s for s, g in found.items() if g < mine and s > self._remote_top}
+        if late:
+            log.warning("%s: step(s) %s were committed by a writer this one replaced, after it took over; "
+                        "deleting them", self.remote.display_url, sorted(late))
+        return late
 
     def _delete_pending(self) -> None:
         """Delete queued remote steps (retention, abandoned half-uploads); failures stay queued."""
@@ -646,8 +662,13 @@ class Uploader:
                 if self.lease is not None:
                     self.lease.check()
                 self.index.forget(step)  # before: a failed delete must not leave it offered for reuse
-                self.remote.delete(step)
+                self.remote.delete(step, generation=None if self.lease is None else self.lease.generation)
             except (RemoteError, WriterConflictError) as exc:
+                if isinstance(exc, WriterConflictError) and self.lease is not None and self.lease.owned:
+                    log.warning("remote step %d is kept: %s", step, exc)  # a later generation's: never ours
+                    with self._cond:
+                        self._deletions.discard(step)
+                    continue
                 log.warning("deleting remote step %d failed (%s); it is retried later", step, exc)
                 return
             with self._cond:
