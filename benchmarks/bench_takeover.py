@@ -9,6 +9,10 @@ Writer B opens the same remote with ``takeover=True``. Reported:
   - the time from B's takeover until A knows it lost the lease (target: <= one upload
     attempt of A), and how many commits (upload.json) A made after B owned the
     lease (target: 0);
+  - then B trains, commits a few steps and closes (releasing the remote) while A goes
+    on saving for a few seconds: A's commits after B's release and B's steps that are
+    gone at the end (deleted by A's retention) (target: 0 and 0: a replaced writer
+    never takes the remote back, issue 38);
   - requests per committed step of a lone writer, by kind: the lease record's
     conditional writes (the "sending" note before the parts, the fence before the
     commit marker) against what a step costs in all (target: <= 2 small requests of
@@ -70,18 +74,26 @@ def one(server, proxy, bucket: str, steps: int) -> dict:
         while a.uploader.lease.owned and time.monotonic() - owned_at < 60:
             time.sleep(0.005)
         noticed = time.monotonic() - owned_at
-        time.sleep(1.0)
+        for step in range(1000, 1003):  # B's own timeline, while A goes on
+            b.save(step, state(step)).wait()
+            assert b.wait(uploads=True, timeout=60)
+        b_steps = RemoteTier(url, server.options()).steps()
+        b.close()  # B leaves normally: the record is marked free
+        released = time.time()
+        time.sleep(3.0)  # A saves and tries to upload a few more steps
         stop.set()
         thread.join()
         remote = RemoteTier(url, server.options())
         late = [s for s in remote.steps() if (remote.committed_by(s) or {}).get("token") != mine
                 and remote.upload_manifest(s).uploaded_unix > owned_wall]
-        b.close()
+        after_release = [s for s in late if remote.upload_manifest(s).uploaded_unix > released]
+        lost = sorted(set(b_steps) - set(remote.steps()))
         try:
             a.close()
         except Exception:  # noqa: BLE001 - the zombie's refused uploads are raised at its close
             pass
         return {"takeover_s": owned_at - started, "noticed_s": noticed, "late_commits": len(late),
+                "after_release": len(after_release), "b_steps_lost": len(lost),
                 "lease_puts_per_step": lease_puts / steps, "requests_per_step": total / steps}
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -101,10 +113,12 @@ def main() -> None:
         server.kill()
     for i, r in enumerate(runs):
         print(f"run {i + 1}: takeover {r['takeover_s']:.3f} s; zombie noticed {r['noticed_s']:.3f} s after; "
-              f"zombie commits after the takeover: {r['late_commits']}; per committed step: "
+              f"zombie commits after the takeover: {r['late_commits']} (after B's release: {r['after_release']}); "
+              f"B's steps deleted: {r['b_steps_lost']}; per committed step: "
               f"{r['lease_puts_per_step']:.1f} lease writes of {r['requests_per_step']:.1f} requests")
     print(f"median: noticed {statistics.median(r['noticed_s'] for r in runs):.3f} s, "
-          f"late commits {sum(r['late_commits'] for r in runs)} in all")
+          f"late commits {sum(r['late_commits'] for r in runs)}, after the release "
+          f"{sum(r['after_release'] for r in runs)}, B's steps deleted {sum(r['b_steps_lost'] for r in runs)} in all")
 
 
 if __name__ == "__main__":

@@ -123,10 +123,12 @@ class WriterLease:
         # Order: read the record (and the newest commit's generation) -> refuse if we were replaced
         # -> refuse a live other writer unless taking over -> write ours, one generation up, over
         # the version read (a writer that wrote in between wins: _Raced) -> heartbeat.
+        # The markers are read first: the record's read and our write over it stay one round trip
+        # apart, or a zombie writing its record twice a step wins every race against a takeover.
+        marked = self.floor() if self.floor else 0
         found = self.t.read_versioned(layout.WRITER_LEASE, _MAX_RECORD)
         current, version, age = (None, None, None) if found is None else (_parse(found[0], self.t), *found[1:])
         other = current if current is not None and current.get("token") != self.token else None
-        marked = self.floor() if self.floor else 0
         seen = max(generation_of(current) if current is not None else 0, marked)
         self._refuse_if_replaced(other, current is None and seen > (self.generation or 0), seen)
         if other is not None and not takeover and not other.get("free"):
