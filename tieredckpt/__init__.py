@@ -13,7 +13,7 @@ __version__ = "0.1.0"
 
 _WHERE = {
     # the store a training loop holds
-    "CheckpointStore": "_loop.store", "SaveHandle": "_loop.store", "CheckpointInfo": "_loop.store", "StoreConfig": "_loop.config",
+    "CheckpointStore": "_loop.store", "SaveHandle": "_loop.handle", "CheckpointInfo": "_loop.handle", "StoreConfig": "_loop.config",
     "KeepLast": "_tiers.retention", "KeepEvery": "_tiers.retention", "AnyOf": "_tiers.retention",
     "capture_rng": "_loop.rng", "restore_rng": "_loop.rng", "LossHistory": "_loop.runlog", "RunLog": "_loop.runlog",
     # the low-level format the seed names, and the flat single-run format
@@ -37,9 +37,10 @@ if TYPE_CHECKING:  # what the names above resolve to, for type checkers and the 
     from ._format.flat import FlatCheckpoint, flat_state, flat_to_model, model_to_flat, read_flat, write_flat
     from ._format.manifest import ShardEntry, ShardManifest
     from ._loop.config import StoreConfig
+    from ._loop.handle import CheckpointInfo, SaveHandle
     from ._loop.rng import capture_rng, restore_rng
     from ._loop.runlog import LossHistory, RunLog
-    from ._loop.store import CheckpointInfo, CheckpointStore, SaveHandle
+    from ._loop.store import CheckpointStore
     from ._tiers.retention import AnyOf, KeepEvery, KeepLast
     from ._tiers.sharded import load_sharded, save_sharded, verify_checkpoint
     from .errors import (

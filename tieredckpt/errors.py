@@ -30,6 +30,16 @@ builtin (``except FileNotFoundError``) keeps working.
 
 from __future__ import annotations
 
+import logging
+import warnings
+
+
+def warn_user(message: str, stacklevel: int = 3) -> None:
+    """What the user must see but need not stop for: logged, and warned of as a RuntimeWarning
+    (``stacklevel`` as ``warnings.warn`` counts it from the caller of this function's caller)."""
+    logging.getLogger("tieredckpt").warning(message)
+    warnings.warn(message, RuntimeWarning, stacklevel=stacklevel)
+
 
 class TieredCkptError(Exception):
     """Root of every error raised on purpose by tieredckpt."""

@@ -404,7 +404,7 @@ class TieredModelCheckpoint(ModelCheckpoint):
     Trainer's checkpoint plugin."""
 
     def _find_last_checkpoints(self, trainer) -> set[str]:
-        directory = self._ModelCheckpoint__resolve_ckpt_dir(trainer)  # type: ignore[attr-defined]
+        directory = self._ModelCheckpoint__resolve_ckpt_dir(trainer)
         _plugin(trainer).restore_pointers(directory, drop_uncommitted=True)
         return super()._find_last_checkpoints(trainer)
 
@@ -415,7 +415,7 @@ class TieredModelCheckpoint(ModelCheckpoint):
         trained: ``trainer.test(model, ckpt_path=checkpoint.find_best(trainer))``."""
         if self.monitor is None:
             raise ValueError("find_best ranks checkpoints by a score: use TieredModelCheckpoint(monitor=...)")
-        directory = Path(self._ModelCheckpoint__resolve_ckpt_dir(trainer))  # type: ignore[attr-defined]
+        directory = Path(self._ModelCheckpoint__resolve_ckpt_dir(trainer))
         _, saved = _plugin(trainer)._restore(directory, drop_uncommitted=False)
         scored = _scores(saved, self.monitor)
         if not scored:

@@ -20,5 +20,5 @@ def byte_view(t: torch.Tensor) -> memoryview:
     if nbytes == 0:
         return memoryview(bytearray())
     array = (ctypes.c_ubyte * nbytes).from_address(t.data_ptr())
-    array._owner = t  # type: ignore[attr-defined]  # the view -> array -> tensor keeps it alive
+    array._owner = t  # the view -> array -> tensor keeps it alive
     return memoryview(array).cast("B")

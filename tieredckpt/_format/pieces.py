@@ -44,7 +44,7 @@ def is_dtensor(obj: Any) -> bool:
 def local_tensor(dt: torch.Tensor) -> torch.Tensor:
     """A DTensor's local tensor (the attribute skips an autograd call per leaf)."""
     local = getattr(dt, "_local_tensor", None)
-    return dt.to_local() if local is None else local  # type: ignore[attr-defined]
+    return dt.to_local() if local is None else local
 
 
 def describe(dt: Any, where: str) -> tuple[torch.Tensor | None, dict]:

@@ -244,4 +244,4 @@ def _view(data: torch.Tensor, entry: dict) -> torch.Tensor:
     storage = data.untyped_storage()[base + start:base + end]
     if storage.data_ptr() % torch.empty((), dtype=dtype).element_size():
         storage = storage.clone()  # misaligned (a foreign file): copy into an aligned buffer
-    return torch.empty(0, dtype=dtype).set_(storage, 0, entry["shape"])  # type: ignore[call-overload]
+    return torch.empty(0, dtype=dtype).set_(storage, 0, entry["shape"])

@@ -47,9 +47,11 @@ from .._format import tree
 from .._format.boxes import Box
 from .._format.pieces import Chunk, piece_box
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedStateError
+from .restoring import latest_step
+from .saving import commit_unstaged
 
 if TYPE_CHECKING:
-    from .store import CheckpointStore
+    from .parts import StoreParts
 
 VERSION = 1
 
@@ -63,7 +65,7 @@ def _done(value: Any) -> torch.futures.Future:
 class TieredWriter(StorageWriter):
     """A DCP storage writer that commits into ``store`` as step ``step`` (see module doc)."""
 
-    def __init__(self, store: CheckpointStore, step: int, extra: Any = None, user: dict | None = None) -> None:
+    def __init__(self, store: StoreParts, step: int, extra: Any = None, user: dict | None = None) -> None:
         super().__init__()
         self.store, self.step, self.extra, self.user = store, step, extra, user
         self._mappings: dict = {}
@@ -106,7 +108,7 @@ class TieredWriter(StorageWriter):
         state = {"dcp": {"version": VERSION, "tensors": tensors, "bytes": values, "mappings": mappings}}
         if self.extra is not None:  # a plain tree beside this rank's entries (TieredReader.read_extra)
             state["extra"] = self.extra
-        self.store.commit_unstaged(self.step, state, self.user)  # every rank: one commit for the whole world
+        commit_unstaged(self.store, self.step, state, self.user)  # every rank: one commit for the whole world
         return _done(results)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
@@ -123,7 +125,7 @@ class TieredWriter(StorageWriter):
 class TieredReader(StorageReader):
     """A DCP storage reader of ``store``'s step ``step`` (the newest on any tier when None)."""
 
-    def __init__(self, store: CheckpointStore, step: int | None = None) -> None:
+    def __init__(self, store: StoreParts, step: int | None = None) -> None:
         super().__init__()
         self.store, self.step = store, step
         self._stack: ExitStack | None = None
@@ -145,7 +147,7 @@ class TieredReader(StorageReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         self._close()
-        step = self.step if self.step is not None else self.store.latest_step()
+        step = self.step if self.step is not None else latest_step(self.store)
         if step is None:
             raise CheckpointNotFoundError(f"{self.store.local.root}: no checkpoint on any tier to load")
         self._stack = ExitStack()

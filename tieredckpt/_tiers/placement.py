@@ -51,7 +51,7 @@ def dtensor_want(like: torch.Tensor) -> Want:
     """The box ``like``'s rank holds of its global tensor, and how to wrap a local tensor like it."""
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-    mesh, placements, shape, stride = like.device_mesh, like.placements, like.shape, like.stride()  # type: ignore[attr-defined]
+    mesh, placements, shape, stride = like.device_mesh, like.placements, like.shape, like.stride()
     local, offset = compute_local_shape_and_global_offset(shape, mesh, placements)
     box = Box(tuple(int(o) for o in offset), tuple(int(s) for s in local))
 

@@ -519,7 +519,7 @@ def _bad(directory: Path, entry) -> bool:
 
 def _warn(message: str) -> None:
     log.warning(message)
-    warnings.warn(message, RuntimeWarning, stacklevel=4)
+    warnings.warn(message, RuntimeWarning, stacklevel=5)  # the caller of store.restore (restoring.py)
 
 
 def load_into(state: Any, into: dict, where: Path) -> None:

@@ -14,7 +14,7 @@ Owns these things and nothing else:
   abandoned (a thread), and every later one is bounded by one absolute deadline,
   so a process told to stop never waits on a remote that hangs. No thread a
   request runs on is one the interpreter joins at exit;
-- mapping every backend exception, in one place, to RemoteError (``transient``
+- mapping every backend exception, in one place (remoteerrors.py), to RemoteError (``transient``
   says whether a retry may help), RemoteNotFoundError or RemoteAccessError;
 - keeping credentials out of every message: URLs without ``user:pass@``, and
   option values that look like secrets replaced by ``***``; and keeping aiohttp's
@@ -28,7 +28,7 @@ Owns these things and nothing else:
 
 - conditional writes, where the backend has them (``conditional``): S3's
   ``If-None-Match: *`` and ``If-Match: <etag>`` on PUT; on a local or mounted disk
-  an O_EXCL link and a flock'd compare-and-replace. ``put_if_absent`` and
+  an O_EXCL link and a flock'd compare-and-replace (diskcas.py). ``put_if_absent`` and
   ``put_if_match`` answer None when the condition failed; ``read_versioned`` gives
   an object's version and its age by the remote's own clock, never ours.
 
@@ -39,14 +39,8 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import errno
-import fcntl
-import hashlib
 import logging
 import os
-import re
-import secrets
-import stat
 import threading
 import time
 from collections.abc import Callable
@@ -57,14 +51,14 @@ from typing import Any
 import fsspec
 from fsspec.asyn import AsyncFileSystem
 
-from .._format.safefile import kind_of
 from ..errors import RemoteAccessError, RemoteError, RemoteNotFoundError, TieredCkptError
+from . import diskcas
 from .credentials import redact_url, scrub, secret_values, url_secrets
+from .remoteerrors import CONDITION_FAILED, is_transient, map_error
 from .s3body import PartBody
 
 REQUEST_TIMEOUT = 60.0  # seconds per request, plus one second per MB it moves
 _BYTES_PER_SECOND = 1_000_000
-_MAX_COMPARED = 8 << 20  # a record a disk's compare-and-replace reads (ours are ~300 bytes)
 _S3_DEFAULTS = {"connect_timeout": 5, "read_timeout": 30, "retries": {"max_attempts": 2, "mode": "standard"}}
 _STREAM_CHUNK = 1 << 20  # what get_stream hands its sink at a time
 _MAX_PUT = 5 << 30  # S3's limit for one PUT; s3fs sends larger bodies as a multipart upload
@@ -146,7 +140,7 @@ class Transport:
     def get(self, rel: str, max_size: int) -> bytes:
         """A whole object of at most ``max_size`` bytes; a larger one is refused unread (one ranged request)."""
         if self.protocol in ("file", "local"):  # not through fsspec: a planted FIFO or symlink is refused
-            return self._disk_call(lambda: _read_regular(self.path(rel), max_size, self.where(rel))[0],
+            return self._disk_call(lambda: diskcas.read_regular(self.path(rel), max_size, self.where(rel))[0],
                                    f"read {rel}", max_size)
         data = self._call("cat_file", (self.path(rel),), f"read {rel}", kwargs={"start": 0, "end": max_size + 1},
                           nbytes=max_size)
@@ -225,7 +219,7 @@ class Transport:
             if self._s3 and self._async:
                 return self._run(lambda: self._s3_read_versioned(rel, max_size), timeout, what)
             if self.protocol in ("file", "local"):
-                return self._run(lambda: self._disk_read_versioned(rel, max_size), timeout, what)
+                return self._run(lambda: diskcas.read_versioned(self.path(rel), max_size, self.where(rel)), timeout, what)
         except RemoteNotFoundError:
             return None
         except TieredCkptError:
@@ -235,7 +229,7 @@ class Transport:
         except Exception as exc:  # noqa: BLE001 - mapped, as in _call
             raise self.map_error(exc, what, timeout) from None
         data = self.get_optional(rel, max_size)
-        return None if data is None else (data, _digest(data), None)
+        return None if data is None else (data, diskcas.digest(data), None)
 
     def put_if_absent(self, rel: str, data: bytes) -> str | None:
         """Create ``rel`` only if nothing is there: its version, or None when something was."""
@@ -246,7 +240,7 @@ class Transport:
         if self.exists(rel):
             return None
         self.put(rel, data)
-        return _digest(data)
+        return diskcas.digest(data)
 
     def put_if_match(self, rel: str, data: bytes, version: str) -> str | None:
         """Replace ``rel`` only if it is still at ``version``: the new version, or None when it
@@ -259,7 +253,7 @@ class Transport:
         if current is None or current[1] != version:
             return None
         self.put(rel, data)
-        return _digest(data)
+        return diskcas.digest(data)
 
     def delete_if_match(self, rel: str, version: str) -> bool:
         """Delete ``rel`` only if it is still at ``version`` (a disk: under its lock; S3 has no
@@ -282,11 +276,11 @@ class Transport:
                 return None  # gone: the condition failed
             raise
         except RemoteError as exc:
-            if _CONDITION_FAILED.search(str(exc)):
+            if CONDITION_FAILED.search(str(exc)):
                 return None
             raise
         self.fs.invalidate_cache(self.path(rel))
-        return out.get("ETag") or _digest(data)
+        return out.get("ETag") or diskcas.digest(data)
 
     async def _s3_read_versioned(self, rel: str, max_size: int) -> tuple[bytes, str, float | None]:
         bucket, key, _ = self.fs.split_path(self.path(rel))
@@ -310,26 +304,11 @@ class Transport:
         except Exception as exc:  # noqa: BLE001 - mapped, as in _call
             raise self.map_error(exc, what, timeout) from None
 
-    def _disk_read_versioned(self, rel: str, max_size: int) -> tuple[bytes, str, float | None]:
-        path = self.path(rel)
-        data, written = _read_regular(path, max_size, self.where(rel))
-        probe = f"{path}.clock-{secrets.token_hex(4)}"  # "now" by the clock that stamped the record
-        try:
-            with open(probe, "wb"):
-                pass
-            now = os.stat(probe).st_mtime
-        finally:
-            try:
-                os.unlink(probe)
-            except OSError:
-                pass
-        return data, _digest(data), max(0.0, now - written)
-
     def _disk(self, rel: str, data: bytes | None, version: str | None, what: str) -> str | None:
         """Conditional writes on a disk: create by O_EXCL link, replace or delete under a flock."""
         timeout = self.request_timeout + len(data or b"") / _BYTES_PER_SECOND
         try:
-            return self._run(lambda: _disk_conditional(self.path(rel), data, version), timeout, what)
+            return self._run(lambda: diskcas.conditional_write(self.path(rel), data, version), timeout, what)
         except TieredCkptError:
             raise
         except Exception as exc:  # noqa: BLE001 - mapped, as in _call
@@ -494,21 +473,12 @@ class Transport:
             future.cancel()
 
     def map_error(self, exc: BaseException, what: str, timeout: float | None = None) -> RemoteError:
-        if isinstance(exc, TimeoutError) and timeout is not None and not str(exc):
-            exc = TimeoutError(f"no answer within {timeout:.0f} s")
-        message = self.scrub(f"{self.display_url}: {what} failed: {type(exc).__name__}: {exc}")
-        if isinstance(exc, FileNotFoundError) or _NOT_FOUND.search(str(exc)):
-            return RemoteNotFoundError(message)
-        if isinstance(exc, PermissionError) or _DENIED.search(str(exc)):
-            return RemoteAccessError(message)
-        return RemoteError(message, transient=is_transient(exc))
+        return map_error(exc, what, self.display_url, self.scrub, timeout)
 
     def close(self) -> None:
         """Nothing to let go of: requests run on fsspec's loop or on daemon threads."""
 
 
-def _digest(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
 
 
 def _server_age(response: dict) -> float | None:
@@ -524,96 +494,6 @@ def _server_age(response: dict) -> float | None:
         return None
 
 
-def _disk_conditional(path: str, data: bytes | None, version: str | None) -> str | None:
-    """``version`` None: create ``path`` with ``data`` unless it exists (a fully written temp file
-    linked in: O_EXCL's atomicity, never a half-written record). Otherwise, under an exclusive
-    flock of ``path.lock``: if ``path`` still holds ``version``, replace it with ``data`` (or
-    delete it when ``data`` is None). Returns the new version (sha256; "" for a delete), or None
-    when the condition failed. Every writer of ``path`` goes through here, so the lock orders them."""
-    directory = os.path.dirname(path)
-    os.makedirs(directory, exist_ok=True)
-    if version is None:
-        if data is None:
-            raise ValueError(f"{path}: nothing to create (a delete needs the version it deletes)")
-        tmp = f"{path}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
-        _write_synced(tmp, data)
-        try:
-            os.link(tmp, path)
-        except FileExistsError:
-            return None
-        finally:
-            os.unlink(tmp)
-        _fsync_dir(directory)
-        return _digest(data)
-    fd = os.open(f"{path}.lock", os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        try:
-            current = _read_regular(path, _MAX_COMPARED, path)[0]
-        except FileNotFoundError:
-            return None
-        if _digest(current) != version:
-            return None
-        if data is None:
-            os.unlink(path)
-            _fsync_dir(directory)
-            return ""
-        tmp = f"{path}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
-        _write_synced(tmp, data)
-        os.replace(tmp, path)
-        _fsync_dir(directory)
-        return _digest(data)
-    finally:
-        os.close(fd)
-
-
-def _read_regular(path: str, max_size: int, where: str) -> tuple[bytes, float]:
-    """(bytes, mtime) of a regular file of at most ``max_size`` bytes on a disk remote. A symlink
-    (it could point anywhere), a FIFO (it would block the reader), a device or a directory is a
-    permanent RemoteError naming it, as is a larger file; nothing is read from those."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise RemoteError(f"{where}: is a symlink, not a file tieredckpt wrote; refused", transient=False) from None
-        raise
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise RemoteError(f"{where}: is {kind_of(st.st_mode)}, not a file tieredckpt wrote; refused",
-                              transient=False)
-        if st.st_size > max_size:
-            raise RemoteError(f"{where}: larger than the {max_size} bytes allowed for it (not written by "
-                              "tieredckpt?)", transient=False)
-        chunks, left = [], max_size + 1
-        while left > 0 and (chunk := os.read(fd, min(left, 16 << 20))):
-            chunks.append(chunk)
-            left -= len(chunk)
-        data = b"".join(chunks)
-        if len(data) > max_size:
-            raise RemoteError(f"{where}: larger than the {max_size} bytes allowed for it", transient=False)
-        return data, st.st_mtime
-    finally:
-        os.close(fd)
-
-
-def _write_synced(path: str, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-_CONDITION_FAILED = re.compile(r"pre-?condition|PreconditionFailed|FileExistsError|\b412\b|"
-                               r"ConditionalRequestConflict", re.IGNORECASE)
 
 
 def _settle(future: Future, call: Callable[[], Any]) -> None:
@@ -700,20 +580,5 @@ def _mtime(info: dict) -> float | None:
     return None
 
 
-_NOT_FOUND = re.compile(r"\bNoSuchBucket\b")
-_DENIED = re.compile(r"\b(AccessDenied|InvalidAccessKeyId|SignatureDoesNotMatch|ExpiredToken|"
-                     r"InvalidToken|TokenRefreshRequired|Forbidden)\b")
 
 
-def is_transient(exc: BaseException) -> bool:
-    """True for errors a retry may fix: connection trouble, timeouts, 5xx, throttling."""
-    if isinstance(exc, (PermissionError, FileNotFoundError, NotADirectoryError, IsADirectoryError,
-                        ValueError, TypeError, TieredCkptError)):
-        return False
-    if isinstance(exc, (ConnectionError, TimeoutError, asyncio.TimeoutError)):
-        return True
-    text = f"{type(exc).__name__} {exc}"
-    if re.search(r"\b(5\d\d|SlowDown|Throttl|RequestTimeout|ServiceUnavailable|InternalError|"
-                 r"Connect|Timeout|reset|Broken pipe|EOF|temporar|Disconnected|Payload)", text, re.IGNORECASE):
-        return True
-    return isinstance(exc, OSError)  # other I/O trouble: worth a retry
