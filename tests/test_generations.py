@@ -212,6 +212,30 @@ def test_restore_prefers_the_newest_generation_over_a_zombies_higher_step_and_th
         pass
 
 
+def test_a_late_commit_on_the_owners_next_step_number_is_replaced_by_the_owners_step(tmp_path, remote):
+    """The replaced writer's in-flight commit lands just above the step the owner resumed from,
+    on the very number the owner saves next (seen as a permanent "already committed" failure of
+    the owner's upload, under load): the owner's upload deletes it and commits its own."""
+    a = CheckpointStore(tmp_path / "a", remote.url, remote_options=remote.options, upload_backoff=(0.05, 0.5, 0.5))
+    a.save(10, state(10, "a")).wait()
+    assert a.wait(uploads=True, timeout=60)
+    b = CheckpointStore(tmp_path / "b", remote.url, remote_options=remote.options, takeover=True,
+                        upload_backoff=(0.05, 0.5, 0.5))
+    assert b.restore()["step"] == 10
+    late_commit(a, 11, "a")  # after b took the remote, on b's next number
+    b.save(11, state(11, "b")).wait()
+    assert b.wait(uploads=True, timeout=60)
+    mine = b.uploader.lease.token
+    assert held(remote)[11] == (mine, b.uploader.lease.generation)
+    with CheckpointStore(tmp_path / "fresh", remote.url, remote_options=remote.options, read_only=True) as r:
+        assert first_difference(state(11, "b"), r.restore()) is None
+    b.close()
+    try:
+        a.close()
+    except Exception:  # noqa: BLE001 - its refused uploads are raised at its close
+        pass
+
+
 def test_a_step_of_a_later_generation_is_never_deleted_by_an_earlier_one(tmp_path, remote):
     a = CheckpointStore(tmp_path / "a", remote.url, remote_options=remote.options)
     a.save(1, state(1, "a")).wait()

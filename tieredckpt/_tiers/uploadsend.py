@@ -10,7 +10,7 @@ from pathlib import Path
 
 from .._format import layout
 from .._format.uploadmanifest import PartEntry, UploadedFile
-from ..errors import RemoteError, TieredCkptError
+from ..errors import CommitRefusedError, RemoteError, TieredCkptError
 from .objects import Reuse
 from .remote import PartsMissingError, forget_part
 from .uploadstate import UploadState, is_transient
@@ -96,5 +96,31 @@ class Sending(UploadState):
         if self.lease is not None:
             self.lease.fence(commit=True)
         writer = self.lease.identity() if self.lease is not None else None
-        self.remote.commit_upload(self.local.manifest(step), self.codec, files, writer=writer)
+        try:
+            self.remote.commit_upload(self.local.manifest(step), self.codec, files, writer=writer)
+        except CommitRefusedError:
+            if not self._clear_late_commit(step):
+                raise  # our own timeline's, or a later writer's: never replaced
+            raise RemoteError(f"{self.remote.display_url}: step {step} there was committed late by a writer this "
+                              "one replaced; deleted, this run's step is committed next", transient=True) from None
         self.remote.write_latest(max(self.uploaded | {step}))
+
+    def _clear_late_commit(self, step: int) -> bool:
+        """Our marker was refused: ``step`` is committed already. When an earlier generation than
+        ours committed it -- a writer we replaced, whose commit was in flight at the takeover and
+        landed after it, above the step we resumed from -- it is not our timeline: it is deleted
+        under our fence and the round commits ours again (its commit confirms every part first and
+        sends what the delete took). True when it was deleted."""
+        mine = None if self.lease is None else self.lease.generation
+        if self.lease is None or mine is None:
+            return False
+        theirs = self.remote.marker_generation(step, unknown=mine)
+        if theirs is None or theirs >= mine:
+            return False
+        self.lease.fence()
+        log.warning("%s: step %d was committed by a writer this one replaced (generation %d, this one holds "
+                    "%d), after the takeover; replacing it with this run's step %d", self.remote.display_url,
+                    step, theirs, mine, step)
+        self.index.forget(step)
+        self.remote.delete(step, generation=mine)
+        return True
