@@ -21,6 +21,7 @@ import time
 import pytest
 import torch
 from conftest import ROOT
+from forkserver import ForkServer
 from lostpart import losing_commit
 
 from tieredckpt import CheckpointStore, KeepLast
@@ -369,14 +370,14 @@ def test_kill_9_during_uploads_and_retention_never_leaves_a_kept_step_naming_a_m
     run = tmp_path / "run"
     remote = RemoteTier(f"file://{run}-remote")
     rng = random.Random(7)
-    start, kills = 1, 0
+    start, kills, server = 1, 0, ForkServer()  # torch imported once: the loop's time goes to killing
     for _ in range(30):
-        proc = subprocess.Popen([sys.executable, "-c", KILLED, str(run), str(start), str(ROOT)],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        assert proc.stdout.readline().startswith("READY"), proc.stderr.read()
+        pid = server.spawn(KILLED, run, start, ROOT, stderr=tmp_path / "stderr")
+        line = server.readline()
+        assert line.startswith("READY"), line + (tmp_path / "stderr").read_text()
         time.sleep(rng.uniform(0.05, 0.8))
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
+        os.kill(pid, signal.SIGKILL)
+        assert server.reap(pid) == -signal.SIGKILL, (tmp_path / "stderr").read_text()
         kills += 1
         assert_no_dangling(remote)
         steps = remote.steps()
@@ -387,6 +388,7 @@ def test_kill_9_during_uploads_and_retention_never_leaves_a_kept_step_naming_a_m
             shutil.rmtree(tmp_path / f"fresh{kills}", ignore_errors=True)
         held = CheckpointStore(run, read_only=True).list()
         start = max([c.step for c in held], default=start - 1) + 1
+    server.close()
     assert kills == 30 and remote.steps()
     named = assert_no_dangling(remote)
     out = subprocess.run([sys.executable, "-m", "tieredckpt.cli", "gc", remote.t.display_url, "--grace", "0"],

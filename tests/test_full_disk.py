@@ -19,6 +19,7 @@ import warnings
 import pytest
 import torch
 from conftest import ROOT
+from forkserver import ForkServer
 
 from tieredckpt import BackgroundSaveError, CheckpointStore, DiskFullError
 from tieredckpt._format.compare import first_difference
@@ -183,22 +184,23 @@ CHILD = textwrap.dedent("""
 
 def test_a_kill_during_the_eviction_before_a_write_leaves_every_committed_step_loadable(tmpfs):
     run = tmpfs(int(3.6 * MB)) / "run"
-    kills, start = 0, 1
+    kills, start, err = 0, 1, run.parent.parent / "stderr"
+    server = ForkServer()  # torch imported once, each child forked from it
     for round_ in range(6):
-        proc = subprocess.Popen([sys.executable, "-c", CHILD, str(run), str(ROOT), str(start)],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        pid = server.spawn(CHILD, run, ROOT, start, stderr=err)
         for _ in range(1 + round_ % 3):  # kill at the first, second or third eviction
-            line = proc.stdout.readline()
-            assert line.startswith("EVICT"), (line, proc.stderr.read() if proc.poll() is not None else "")
+            line = server.readline()
+            assert line.startswith("EVICT"), (line, err.read_text())
         time.sleep(0.05 * (round_ % 4))  # before, inside or after the rename
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
+        os.kill(pid, signal.SIGKILL)
+        assert server.reap(pid) == -signal.SIGKILL, err.read_text()
         kills += 1
         held = committed(run)
         assert held and len(held) >= 2, held
         with CheckpointStore(run, keep_local=3) as store:  # a restart cleans the scratch and checks
             check_loadable(store, run)
             start = max(held) + 1
+    server.close()
     assert kills == 6
     assert not [p for p in run.iterdir() if ".del-" in p.name or ".tmp-" in p.name]
 
