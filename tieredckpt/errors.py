@@ -31,14 +31,29 @@ builtin (``except FileNotFoundError``) keeps working.
 from __future__ import annotations
 
 import logging
+import os
+import sys
+import types
 import warnings
 
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
-def warn_user(message: str, stacklevel: int = 3) -> None:
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` for a ``warnings.warn`` called by the caller of this function that names
+    the user's line: the first frame outside this package (however deep the call inside it)."""
+    frame: types.FrameType | None = sys._getframe(2)
+    level = 2
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def warn_user(message: str) -> None:
     """What the user must see but need not stop for: logged, and warned of as a RuntimeWarning
-    (``stacklevel`` as ``warnings.warn`` counts it from the caller of this function's caller)."""
+    that names the user's line that led to it."""
     logging.getLogger("tieredckpt").warning(message)
-    warnings.warn(message, RuntimeWarning, stacklevel=stacklevel)
+    warnings.warn(message, RuntimeWarning, stacklevel=user_stacklevel())
 
 
 class TieredCkptError(Exception):

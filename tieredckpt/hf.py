@@ -157,7 +157,7 @@ class TieredCheckpointCallback(TrainerCallback):
         self._signals.close()
         if self.store is not None:
             stopping = self.requests.stop_requested()
-            self.store.close(drain_uploads=not stopping)  # after SIGTERM: exit_timeout bounds it
+            self.store.close(preempted=stopping)  # after SIGTERM: the newest step within upload_on_exit
             self.store = None
 
     def _wait(self) -> None:

@@ -273,7 +273,7 @@ class TieredCheckpointIO(CheckpointIO):
     def teardown(self) -> None:
         if self.store is not None:
             self.wait()
-            self.store.close(drain_uploads=not self.requests.stop_requested())
+            self.store.close(preempted=self.requests.stop_requested())  # SIGTERM: the newest step goes up
             self.store = None
 
     def restore_pointers(self, directory: str | os.PathLike, drop_uncommitted: bool = False) -> list[Path]:

@@ -1,10 +1,12 @@
-"""Waiting and closing: the pending write finished, uploads drained or left to the next start,
-the threads stopped, the lease and the run directory let go -- within ``exit_timeout`` on the
-network however the remote behaves."""
+"""Waiting and closing: the pending write finished; uploads drained, or after SIGTERM the newest
+step sent within ``upload_on_exit`` (a preempted node rarely comes back); the threads stopped,
+the lease and the run directory let go -- within ``exit_timeout`` more on the network however
+the remote behaves."""
 
 from __future__ import annotations
 
 import logging
+import time
 
 from .parts import StoreParts
 from .saving import finish_pending
@@ -21,22 +23,42 @@ def wait(s: StoreParts, uploads: bool, timeout: float | None) -> bool:
     return True
 
 
-def close(s: StoreParts, drain_uploads: bool | None) -> None:
-    """CheckpointStore.close: finish the pending write, drain (or not), release; raise what failed."""
+def close(s: StoreParts, drain_uploads: bool | None, preempted: bool | None = None) -> None:
+    """CheckpointStore.close: finish the pending write; drain the uploads, or -- stopping on
+    SIGTERM -- send the newest step within ``upload_on_exit``; release; raise what failed."""
     if s._closed:
         return
+    preempted = s.should_stop() if preempted is None else preempted
     if drain_uploads is None:
-        drain_uploads = not s.should_stop()
+        drain_uploads = not preempted
     try:
         finish_pending(s)
         if s.uploader is not None:
-            if drain_uploads and not s.uploader.drain(s.close_timeout):
-                log.warning("closing with uploads still pending (%s); the next start resumes them",
-                            s.uploader.pending())
+            if drain_uploads:
+                if not s.uploader.drain(s.close_timeout):
+                    log.warning("closing with uploads still pending (%s); the next start resumes them",
+                                s.uploader.pending())
+            elif preempted and s.upload_on_exit > 0:
+                _send_newest(s)
             s.uploader.raise_error()
     finally:
         s._closed = True
         release(s)
+
+
+def _send_newest(s: StoreParts) -> None:
+    """Stopping on SIGTERM: the node may never come back, so the step just saved goes to the
+    remote first, within ``upload_on_exit`` seconds (then ``exit_timeout`` cancels what is left)."""
+    assert s.uploader is not None
+    newest, started = s.local.latest_step(), time.monotonic()
+    if s.uploader.send_newest(s.upload_on_exit):
+        if newest is not None:
+            log.info("step %d is on %s (%.1f s after the stop)", newest, s.uploader.remote.display_url,
+                     time.monotonic() - started)
+        return
+    log.warning("stopping: step %s did not reach %s within upload_on_exit=%.0f s; it is committed locally, "
+                "and the next start on this machine uploads it (pending: %s)", newest,
+                s.uploader.remote.display_url, s.upload_on_exit, s.uploader.pending())
 
 
 def release(s: StoreParts) -> None:

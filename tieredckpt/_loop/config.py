@@ -46,6 +46,7 @@ class StoreConfig:
     uploads: str = "newest"
     stall_budget: float = 0.02
     exit_timeout: float = 2.0
+    upload_on_exit: float = 20.0
     on_save_error: str = "raise"
 
     def store_kwargs(self) -> dict[str, Any]:

@@ -67,7 +67,7 @@ def _finish_fork(child: RemoteTier, step: int, root: Path) -> None:
     except RemoteError as exc:
         warn_user(f"fork: step {step} is committed on {child.display_url} and in {root}, but its latest pointer "
                   f"or side files were not written ({exc}); a store opened on the new run writes them with its "
-                  "next upload", stacklevel=4)
+                  "next upload")
 
 
 def _require_empty(remote: RemoteTier) -> None:

@@ -31,7 +31,7 @@ def _seconds(value: object) -> bool:
 
 
 def check_options(compression: str | None, compression_level: int, keep_local: int, every: int, verify: str,
-                  uploads: str, exit_timeout: float, on_save_error: str, orphan_grace: float | None,
+                  uploads: str, exit_timeout: float, upload_on_exit: float, on_save_error: str, orphan_grace: float | None,
                   stall_budget: float) -> None:
     """Raise ValueError naming the first option that is out of range."""
     if (compression or "raw") not in CODECS:
@@ -48,6 +48,8 @@ def check_options(compression: str | None, compression_level: int, keep_local: i
         raise ValueError(f"uploads must be one of {UPLOAD_MODES}, got {uploads!r}")
     if not _seconds(exit_timeout):
         raise ValueError(f"exit_timeout must be a number of seconds >= 0, got {exit_timeout!r}")
+    if not _seconds(upload_on_exit):
+        raise ValueError(f"upload_on_exit must be a number of seconds >= 0 (0: none), got {upload_on_exit!r}")
     if on_save_error not in SAVE_ERROR_MODES:
         raise ValueError(f"on_save_error must be one of {SAVE_ERROR_MODES}, got {on_save_error!r}")
     if orphan_grace is not None and not _seconds(orphan_grace):
@@ -64,7 +66,7 @@ def take_lock(lock: RunLock, local: LocalTier) -> bool:
     except WriterConflictError as exc:
         if not exc.read_only_dir:
             raise
-        warn_user(f"{exc}; opened as a reader (restores work, saves do not)", stacklevel=5)
+        warn_user(f"{exc}; opened as a reader (restores work, saves do not)")
         return False
     local.clean_stale_once()  # what a killed save or restore left behind
     return True

@@ -39,6 +39,7 @@ class StoreParts(Protocol):
     overlap: bool
     close_timeout: float | None
     exit_timeout: float
+    upload_on_exit: float
     requests: Requests
     _stats: Stats
     _stager: Stager

@@ -29,8 +29,7 @@ def restore(s: StoreParts, step: int | None, into: dict | None, mark_resume: boo
         load_into(state, into, s.local.step_path(step))
     if mark_resume and s.rank == 0:
         if s._fell_back_to_reading:
-            warn_user(f"{s.local.root}: cannot be written; the resume is not recorded in the loss history",
-                      stacklevel=4)
+            warn_user(f"{s.local.root}: cannot be written; the resume is not recorded in the loss history")
         elif not s.read_only:
             s.run.mark_resume(step)
     return state
@@ -60,6 +59,6 @@ def _fetch_side_files(s: StoreParts) -> None:
         return
     s.run.close()  # the loss history may be replaced; reopen it afterwards
     try:
-        s.remote.get_side_files(s.local.root, warn=lambda message: warn_user(message, stacklevel=5))
+        s.remote.get_side_files(s.local.root, warn=warn_user)
     except RemoteError as exc:
-        warn_user(f"could not fetch the run's side files: {exc}", stacklevel=4)
+        warn_user(f"could not fetch the run's side files: {exc}")

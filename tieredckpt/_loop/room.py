@@ -65,4 +65,4 @@ class Room:
                    f"checkpoints of this size; old steps are rotated out before each save instead of "
                    f"after, so a crash mid-save leaves {self.keep_local - 1} committed local step(s), "
                    f"not {self.keep_local} (free more space or lower keep_local to avoid this)")
-        warn_user(message, stacklevel=4)
+        warn_user(message)

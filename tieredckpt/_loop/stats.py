@@ -32,6 +32,8 @@ import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from ..errors import user_stacklevel
+
 log = logging.getLogger("tieredckpt.stats")
 MAX_EVENTS_FILE = 16 << 20
 MIN_SAVES_FOR_BUDGET = 3  # the first save allocates its buffers; judge a run, not its start
@@ -61,7 +63,7 @@ class Stats:
             warnings.warn(f"checkpointing has blocked the training loop {share:.1%} of the time since the store "
                           f"opened ({self._blocked:.2f} s in save()), over the {self.budget:.1%} stall budget: "
                           "save less often, or see store.stats() for where the time goes", RuntimeWarning,
-                          stacklevel=3)
+                          stacklevel=user_stacklevel())  # the caller of store.save
 
     def saved(self, step: int, cost: dict, total_s: float, spent: dict, nbytes: int) -> None:
         """``cost``: blocked_s and staging_s (the loop's thread), deferred_s (overlap's copy)."""

@@ -63,6 +63,10 @@ UPLOAD_GROUP_TIMEOUT = 24 * 3600.0  # ranks wait for each other's uploads throug
 # What close() may still spend on the remote once it stops waiting for uploads (after SIGTERM:
 # Kubernetes sends SIGKILL 30 s after SIGTERM by default, systemd 90 s).
 EXIT_TIMEOUT = 2.0
+# What close() may spend after SIGTERM sending the step just saved to the remote, before that: a
+# preempted node rarely comes back, so a step left local is lost. 20 s + exit_timeout + the save
+# fit in Kubernetes' default 30 s grace.
+UPLOAD_ON_EXIT = 20.0
 
 
 class CheckpointStore(AbstractContextManager):
@@ -87,7 +91,8 @@ class CheckpointStore(AbstractContextManager):
                  audit_interval: float = 60.0,
                  on_upload_error: Callable[[int | None, Exception], None] | None = None,
                  upload_part_size: int = PART_SIZE, close_timeout: float | None = 600.0,
-                 exit_timeout: float = EXIT_TIMEOUT, on_save_error: str = "raise",
+                 exit_timeout: float = EXIT_TIMEOUT, upload_on_exit: float = UPLOAD_ON_EXIT,
+                 on_save_error: str = "raise",
                  read_only: bool = False, takeover: bool = False, remote_fs: AbstractFileSystem | None = None,
                  distributed: bool | None = None, stall_budget: float = 0.02,
                  on_stats: Callable[[dict], None] | None = None, overlap: bool = False,
@@ -115,8 +120,11 @@ class CheckpointStore(AbstractContextManager):
         upload's cost record (see ``stats()`` and RUN_DIR/.events.jsonl).
         ``overlap``: the default of ``save(..., overlap=)`` (see there).
         ``close_timeout``: how long ``close()`` waits for pending uploads when it drains them.
-        ``exit_timeout``: what ``close()`` may spend on the remote after that -- or at once after
-        SIGTERM, when it does not drain: requests in flight are cancelled and the writer lease is
+        ``upload_on_exit``: after SIGTERM (a preemption: the node may never come back), what
+        ``close()`` spends uploading the step just saved, first and alone, before it exits
+        (default 20 s: with the save and ``exit_timeout`` it fits Kubernetes' 30 s grace; 0: none).
+        ``exit_timeout``: what ``close()`` may spend on the remote after that -- or after the drain:
+        requests in flight are cancelled and the writer lease is
         released within it (default 2 s; an unreleased lease lapses). The next start resumes
         every upload that did not finish.
         ``on_save_error``: "raise" (default) raises a failed background write, once, at the next
@@ -129,7 +137,7 @@ class CheckpointStore(AbstractContextManager):
         seconds old; it looks after an upload commits, at most once per that interval (default an
         hour). None leaves them to ``tieredckpt gc``."""
         opening.check_options(compression, compression_level, keep_local, every, verify, uploads, exit_timeout,
-                              on_save_error, orphan_grace, stall_budget)
+                              upload_on_exit, on_save_error, orphan_grace, stall_budget)
         self.read_only = read_only
         self._fell_back_to_reading = False  # a writer on a directory that cannot be written
         self.local = LocalTier(local, create=not read_only, must_exist=not (read_only and remote))
@@ -139,6 +147,7 @@ class CheckpointStore(AbstractContextManager):
         self.every = every
         self.verify = verify
         self.close_timeout, self.exit_timeout = close_timeout, float(exit_timeout)
+        self.upload_on_exit = float(upload_on_exit)
         self.on_save_error = on_save_error
         self.requests = Requests()
         self._stats = Stats(self.local.root / layout.EVENTS_FILE if self.rank == 0 and not read_only else None,
@@ -311,17 +320,19 @@ class CheckpointStore(AbstractContextManager):
         """Block until committed; raise BackgroundSaveError if the write failed."""
         return closing.wait(self, uploads, timeout)
 
-    def close(self, drain_uploads: bool | None = None) -> None:
+    def close(self, drain_uploads: bool | None = None, *, preempted: bool | None = None) -> None:
         """Finish the pending write, release the run; raise what failed.
 
         Pending uploads are drained (up to ``close_timeout``) unless ``drain_uploads``
         is False -- the default after SIGTERM or when leaving the ``with`` block on an
-        exception: the next start resumes them. Then, or at once when not draining,
+        exception: the next start resumes them. ``preempted`` (default: whether SIGTERM
+        asked this store to stop): the newest committed step is uploaded first and alone,
+        within ``upload_on_exit`` seconds, since a preempted node rarely comes back. Then
         requests in flight are cancelled and the lease released within ``exit_timeout``:
         a hanging remote never holds the exit up. Uploads that failed for good are
         raised here, every step of them, as one UploadError.
         """
-        closing.close(self, drain_uploads)
+        closing.close(self, drain_uploads, preempted)
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc is None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import os
-import warnings
 from collections.abc import Callable
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -35,6 +34,7 @@ from ..errors import (
     DistributedCommitError,
     IncompatibleStateError,
     RemoteError,
+    warn_user,
 )
 from . import folder
 from .assemble import PieceFile, assemble
@@ -518,8 +518,7 @@ def _bad(directory: Path, entry) -> bool:
 
 
 def _warn(message: str) -> None:
-    log.warning(message)
-    warnings.warn(message, RuntimeWarning, stacklevel=5)  # the caller of store.restore (restoring.py)
+    warn_user(message)
 
 
 def load_into(state: Any, into: dict, where: Path) -> None:

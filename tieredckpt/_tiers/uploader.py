@@ -149,6 +149,29 @@ class Uploader(Sending, Housekeeping):
         with self._cond:
             return not self._pending and self._current is None
 
+    def send_newest(self, timeout: float) -> bool:
+        """The process is stopping (SIGTERM; the node may never come back): upload this rank's
+        newest committed step, first and alone, within ``timeout`` seconds; older steps still
+        waiting stay for a next start. True once the remote holds it (or nothing was owed).
+        Never raises: a step that fails, or a remote that does not answer in time, returns False."""
+        newest = self.local.latest_step()
+        if newest is None:
+            return True
+        deadline = time.monotonic() + max(0.0, timeout)
+        with self._cond:
+            self._exiting = self._kick = True  # a retry waiting out its backoff goes now
+            self._cond.notify_all()
+            while newest not in self.uploaded and self._thread.is_alive() and not self._stop.is_set():
+                if self._known and newest not in self._pending and self._current != newest:
+                    break  # superseded or removed: nobody will send it
+                if newest in self._failures:
+                    break  # failing for good: waiting on would not help
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                self._cond.wait(min(0.25, remaining))
+            return newest in self.uploaded
+
     def raise_error(self, only: set | None = None) -> None:
         """Raise every permanent failure not raised yet (of the steps in ``only``), as one
         UploadError naming each step."""
@@ -261,6 +284,8 @@ class Uploader(Sending, Housekeeping):
                 self._cond.wait(timeout)
             if not self._pending or self._stop.is_set():
                 return None
+            if self._exiting:  # SIGTERM: only the newest step can still reach the remote in time
+                return max(self._pending)
             candidates = self._pending - self._failed_cycle or self._pending
             if self.mode == "all":
                 return min(candidates)

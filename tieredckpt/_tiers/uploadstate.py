@@ -75,6 +75,7 @@ class UploadState:
         self._failed_cycle: set[int] = set()  # steps that failed since the last success or pause
         self._kick = False  # drain() asks for a retry now instead of after the backoff
         self._pinned_turn = False
+        self._exiting = False  # the process is stopping (SIGTERM): the newest step goes first, alone
         self.orphan_grace = orphan_grace  # None: objects no step names are left to `tieredckpt gc`
         self._swept = time.monotonic()  # when this process last looked for them: the first look after
         # orphan_grace, so a short run never reads the remote's markers for it
