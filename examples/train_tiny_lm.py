@@ -73,6 +73,8 @@ def main() -> int:
     p.add_argument("--remote", help="also upload checkpoints here: s3://bucket/prefix, file:///dir, ...")
     p.add_argument("--endpoint-url", help="S3-compatible endpoint, e.g. MinIO's http://127.0.0.1:9000 "
                                           "(credentials from AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY)")
+    p.add_argument("--upload-on-exit", type=float, default=20.0,
+                   help="after SIGTERM, seconds to spend sending the step just saved to the remote (default 20)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -90,7 +92,7 @@ def main() -> int:
 
     options = {"endpoint_url": args.endpoint_url} if args.endpoint_url else {}
     with CheckpointStore(args.run_dir, args.remote, remote_options=options, every=args.every,
-                         keep_local=args.keep) as store, store.handle_signals():
+                         keep_local=args.keep, upload_on_exit=args.upload_on_exit) as store, store.handle_signals():
         had_local = bool(store.local.steps())
         saved = store.restore(into={"model": model, "optim": opt})
         step = 0
@@ -136,8 +138,15 @@ def main() -> int:
             print(f"uploading to {store.remote.display_url} ...", flush=True)
             store.wait(uploads=True)
             print(f"remote holds steps {store.remote.steps()}", flush=True)
-        elif store.remote is not None:
-            print(f"pending uploads {store.uploader.pending()} resume at the next start", flush=True)
+        elif store.remote is not None:  # close() sends the stopped step first: this node may not come back
+            print(f"sending step {step} to {store.remote.display_url} before exiting "
+                  f"(up to {store.upload_on_exit:.0f} s) ...", flush=True)
+    if stop and store.remote is not None:
+        if store.upload_status()["newest_uploaded"] == step:
+            print(f"step {step} is on {store.remote.display_url}: a fresh machine resumes from it", flush=True)
+        else:
+            print(f"step {step} did not reach the remote in time; it is committed locally and the next "
+                  f"start here uploads it (pending: {store.upload_status()['pending']})", flush=True)
     return 0
 
 

@@ -41,6 +41,8 @@ def main() -> int:
     p.add_argument("--node-local", action="store_true",
                    help="give every rank a local directory of its own (RUN_DIR/rankN), as on separate nodes")
     p.add_argument("--reshard", action="store_true", help="resume from a checkpoint of another world size")
+    p.add_argument("--upload-on-exit", type=float, default=20.0,
+                   help="after SIGTERM, seconds to spend sending the step just saved to the remote (default 20)")
     args = p.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -57,7 +59,8 @@ def main() -> int:
     data = torch.Generator().manual_seed(1234)  # the same global batches on every rank
     run_dir = Path(args.run_dir) / f"rank{rank}" if args.node_local else Path(args.run_dir)
 
-    with CheckpointStore(run_dir, args.remote, every=args.every) as store, store.handle_signals():
+    with CheckpointStore(run_dir, args.remote, every=args.every, upload_on_exit=args.upload_on_exit) as store, \
+            store.handle_signals():
         saved = store.restore(reshard=args.reshard)
         step = 0
         if saved is not None:

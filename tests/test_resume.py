@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -21,9 +23,17 @@ DEMO = ROOT / "examples" / "train_tiny_lm.py"
 STEPS, EVERY = 120, 25
 
 
-def start(run_dir: Path, steps: int = STEPS) -> subprocess.Popen:
+def start(run_dir: Path, steps: int = STEPS, remote=None) -> subprocess.Popen:
+    """The demo; ``remote``: (url, moto server) to upload to."""
+    extra, env = [], None
+    if remote is not None:
+        from s3server import CREDS
+        url, server = remote
+        extra = ["--remote", url, "--endpoint-url", server.endpoint]
+        env = dict(os.environ, AWS_ACCESS_KEY_ID=CREDS["key"], AWS_SECRET_ACCESS_KEY=CREDS["secret"])
     return subprocess.Popen([sys.executable, str(DEMO), "--run-dir", str(run_dir), "--steps", str(steps),
-                             "--every", str(EVERY)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             "--every", str(EVERY), *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env)
 
 
 def finish(proc: subprocess.Popen) -> str:
@@ -71,6 +81,27 @@ def test_sigterm_saves_the_current_step_exits_0_and_resume_is_bit_identical(tmp_
     assert "resumed from" in out and f"(step {stopped_at})" in out
     assert first_difference(straight, final(tmp_path)) is None
     assert RunLog(tmp_path).read_loss().replayed() == []  # nothing was lost, nothing redone
+
+
+def test_sigterm_uploads_the_stopped_step_so_a_fresh_machine_resumes_from_it_bit_identical(
+        tmp_path, straight, moto_server):
+    """Preemption: the node that got SIGTERM never comes back. The step saved on SIGTERM is on
+    the remote when the process exits 0, and a fresh machine (the run directory wiped) resumes
+    from exactly that step -- not the last cadence step -- bit-identical to the run that never
+    stopped."""
+    moto_server.make_bucket("preempted")
+    remote = ("s3://preempted/tiny", moto_server)
+    proc = start(tmp_path / "run", remote=remote)
+    wait_for_step(proc, tmp_path / "run", EVERY + 12)  # past a cadence step: the SIGTERM step is newer
+    proc.send_signal(signal.SIGTERM)
+    out = finish(proc)
+    stopped = LocalTier(tmp_path / "run").latest_step()
+    assert stopped % EVERY != 0 and f"checkpoint for step {stopped} committed" in out
+    assert f"step {stopped} is on s3://preempted/tiny: a fresh machine resumes from it" in out, out
+    shutil.rmtree(tmp_path / "run")  # the node is gone
+    out = finish(start(tmp_path / "run", remote=remote))
+    assert f"resumed from s3://preempted/tiny (downloaded) (step {stopped})" in out, out
+    assert first_difference(straight, final(tmp_path / "run")) is None
 
 
 def test_sigkill_resumes_from_last_cadence_checkpoint_and_is_still_bit_identical(tmp_path, straight):
