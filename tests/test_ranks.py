@@ -187,3 +187,32 @@ def test_zero_training_resumed_after_sigterm_is_bit_identical_and_reshards(tmp_p
     flat = torch.cat([s["flat"]["exp_avg_sq"] for s in a])
     assert [n for _, n in even_spans(flat.numel(), 3)] == [
         s.param_shard_numel for s in LocalTier(tmp_path / "stopped").manifest(70).shards]
+
+
+def test_sigterm_to_one_rank_puts_every_ranks_shard_of_that_step_on_the_remote_for_fresh_machines(
+        tmp_path, moto_server, monkeypatch):
+    """Two ranks, SIGTERM to rank 1 only: the step both save on it is committed on the remote
+    (every rank's shard, one marker) before they exit, so two fresh machines resume from it."""
+    from s3server import CREDS
+    moto_server.make_bucket("zero-preempted")
+    url = "s3://zero-preempted/run"
+    for key, value in {"AWS_ACCESS_KEY_ID": CREDS["key"], "AWS_SECRET_ACCESS_KEY": CREDS["secret"],
+                       "AWS_ENDPOINT_URL": moto_server.endpoint}.items():
+        monkeypatch.setenv(key, value)  # launch() hands the environment to both ranks
+    procs = zero_run(2, tmp_path / "run", 100_000, "--remote", url)
+    wait_logged(tmp_path / "run", 27, procs)  # past the step-20 cadence
+    procs[1].send_signal(signal.SIGTERM)
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in outs]
+    stopped = LocalTier(tmp_path / "run").latest_step()
+    assert stopped > 20 and stopped % 20 != 0
+    saved = load_sharded(tmp_path / "run" / f"step_{stopped:06d}", 2, verify="sha256")
+    remote = RemoteTier(url, {"endpoint_url": moto_server.endpoint})
+    assert remote.newest_step() == stopped  # committed there, both shards under one marker
+    shutil.rmtree(tmp_path / "run")  # both nodes are gone
+    procs = zero_run(2, tmp_path / "fresh", stopped + 1, "--remote", url)
+    outs = [p.communicate(timeout=180) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in outs]
+    assert f"resumed at step {stopped}" in outs[0][0], outs[0][0]
+    downloaded = load_sharded(tmp_path / "fresh" / f"step_{stopped:06d}", 2, verify="sha256")
+    assert first_difference(saved, downloaded) is None  # what the stopped ranks saved, bit for bit
