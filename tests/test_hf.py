@@ -91,6 +91,12 @@ def test_sigusr1_saves_and_goes_on_and_sigterm_saves_stops_and_exits_0(tmp_path,
         for step in steps:
             store.local.verify(step, full=True)
     assert folder_files(out / STORE_DIR / f"step_{stopped:06d}" / "files") == folder_files(out / f"checkpoint-{stopped}")
+    # preempted: the node never comes back; the SIGTERM step went up before the exit
+    assert RemoteTier(url, moto_server.options()).newest_step() == stopped
+    shutil.rmtree(out)
+    resumed, losses = run(out, stopped + 2, [TieredCheckpointCallback(remote=url, remote_options=moto_server.options())],
+                          resume=True)
+    assert resumed.state.global_step == stopped + 2 and sorted(losses) == [stopped + 1, stopped + 2], losses
 
 
 def test_accelerate_two_lines_save_and_restore_a_loop_on_a_fresh_machine_bit_identically(tmp_path, remote):

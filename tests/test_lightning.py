@@ -129,6 +129,13 @@ def test_sigusr1_saves_and_goes_on_sigterm_saves_stops_and_exits_0(tmp_path, mot
         assert len(steps) == 2 and 5 <= steps[0] < 30 <= steps[1] == stopped, steps
         store.local.verify(stopped, full=True)
     assert read_pointer(root / "checkpoints" / "last.ckpt") == stopped
+    # preempted: the node never comes back; the SIGTERM step went up before the exit
+    options = moto_server.options()
+    assert RemoteTier(url, options).newest_step() == stopped
+    shutil.rmtree(root)
+    _, model = run(root, stopped // 8 + 2, [tiered(url, options)], [checkpointing()], ckpt_path="last",
+                   max_steps=stopped + 1)
+    assert sorted(model.losses) == [stopped]  # the fresh machine resumed from the SIGTERM step
 
 
 def fsdp(root: Path, url: str, epochs: int, devices: int, out: Path, env: dict) -> int:
