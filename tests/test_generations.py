@@ -236,6 +236,32 @@ def test_a_late_commit_on_the_owners_next_step_number_is_replaced_by_the_owners_
         pass
 
 
+def test_the_step_a_replaced_writer_died_sending_is_never_deleted_once_the_new_owner_commits_its_own(
+        tmp_path, remote):
+    """A writer whose uploads lag supersedes step 11 and notes step 12 as sending; then it is taken
+    over. The new owner resumes from step 10 and cleans up that half-upload -- but it saves and
+    commits its own steps 11, 12, 13: the cleanup must not delete its own step 12 (it did, seen as
+    a kept-last-3 run missing a middle step, one run in twenty under load)."""
+    a = CheckpointStore(tmp_path / "a", remote.url, remote_options=remote.options, upload_backoff=(0.05, 0.5, 0.5))
+    a.save(10, state(10, "a")).wait()
+    assert a.wait(uploads=True, timeout=60)
+    a.uploader.lease.note_sending(12)  # what its record says when the takeover lands
+    b = CheckpointStore(tmp_path / "b", remote.url, remote_options=remote.options, takeover=True,
+                        upload_backoff=(0.05, 0.5, 0.5))
+    assert b.uploader.lease.previous_sending() == 12 and b.restore()["step"] == 10
+    for step in (11, 12, 13, 14):
+        b.save(step, state(step, "b")).wait()
+        assert b.wait(uploads=True, timeout=60)
+    b.close()
+    assert sorted(held(remote)) == [10, 11, 12, 13, 14]
+    with CheckpointStore(tmp_path / "fresh", remote.url, remote_options=remote.options, read_only=True) as r:
+        assert first_difference(state(12, "b"), r.restore(12)) is None
+    try:
+        a.close()
+    except Exception:  # noqa: BLE001 - its refused uploads are raised at its close
+        pass
+
+
 def test_a_step_of_a_later_generation_is_never_deleted_by_an_earlier_one(tmp_path, remote):
     a = CheckpointStore(tmp_path / "a", remote.url, remote_options=remote.options)
     a.save(1, state(1, "a")).wait()

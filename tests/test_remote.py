@@ -281,7 +281,9 @@ class SlowFS(FlakyFS):
 def test_stopping_or_failing_leaves_pending_uploads_to_the_next_start(tmp_path, remote, how):
     import threading
     gate = threading.Event()
-    s = store(tmp_path / "run", remote, remote_fs=SlowFS(RemoteTier(remote.url, remote.options).fs, gate))
+    # the held part outlasts the second SIGTERM allows for the newest step (upload_on_exit)
+    s = store(tmp_path / "run", remote, remote_fs=SlowFS(RemoteTier(remote.url, remote.options).fs, gate),
+              upload_on_exit=1.0)
     if how == "sigterm":
         s.requests.request_stop()  # what SIGTERM does
         assert s.step_end(7, {"step": 7}) is True  # committed locally before it returns

@@ -352,6 +352,9 @@ class Uploader(Sending, Housekeeping):
             self._done.pop(step, None)
             sent, referenced = self._sent.pop(step, (None, None))
             self._confirmed = (max(self.uploaded), time.monotonic())
+            # a half-upload we clean up is never a step we committed since: the writer we took over
+            # from died sending step N, and this run then saved and committed its own step N
+            self._garbage -= self.uploaded
             self._deletions |= {s for s in self._garbage if s < step}
             self._garbage -= self._deletions
             self._failed_rounds = 0
