@@ -376,7 +376,7 @@ def test_kill_9_during_uploads_and_retention_never_leaves_a_kept_step_naming_a_m
         line = server.readline()
         assert line.startswith("READY"), line + (tmp_path / "stderr").read_text()
         time.sleep(rng.uniform(0.05, 0.8))
-        os.kill(pid, signal.SIGKILL)
+        server.kill(pid, signal.SIGKILL)
         assert server.reap(pid) == -signal.SIGKILL, (tmp_path / "stderr").read_text()
         kills += 1
         assert_no_dangling(remote)

@@ -11,10 +11,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
+import forkserver
 import pytest
 from test_ranks import launch, results
 
@@ -32,10 +31,10 @@ def run(world: int, scenario: str, run_dir, ref, mesh: str, *extra) -> list[dict
 def alone(scenario: str, run_dir, ref, *extra) -> dict:
     """The worker as one plain process: no process group, an unsharded model."""
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")}
-    proc = subprocess.run([sys.executable, str(WORKER), scenario, str(run_dir), str(ref), *extra], env=env,
-                          capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    proc = forkserver.shared().popen([str(WORKER), scenario, str(run_dir), str(ref), *extra], env=env)
+    out, err = proc.communicate(timeout=180)
+    assert proc.returncode == 0, err[-3000:]
+    return json.loads(out.strip().splitlines()[-1])
 
 
 @pytest.fixture(scope="module")
@@ -113,34 +112,39 @@ def test_2d_fsdp_x_tp_mesh_restores_at_another_shape(tmp_path):
     assert alone("restore", tmp_path / "run", tmp_path / "ref.bin")["diff"] is None
 
 
-def test_fresh_machines_restore_fsdp2_state_from_s3_at_another_world_size(tmp_path, moto_server):
+PART = 16 << 10
+
+
+@pytest.fixture(scope="module")
+def from_s3(tmp_path_factory, moto_server):
+    """A 4-rank FSDP2 run saved to S3 from node-local dirs, in small parts (a state large beside its
+    headers), every machine then gone; two fresh machines restore it at 2 ranks from the bucket.
+    Returns their reports, and what any rank must fetch besides its pieces (``overhead``: every
+    shard's header and plain tensors, in whole parts, and at most one part more at each end of
+    the run of pieces it needs from a shard) and the bytes of every shard (``total``)."""
+    base = tmp_path_factory.mktemp("from_s3")
     bucket = f"fsdp-{os.getpid()}"
     moto_server.make_bucket(bucket)
-    remote = ["--remote", f"s3://{bucket}/run", "--remote-options", json.dumps(moto_server.options())]
-    run(4, "save", tmp_path / "old{rank}", tmp_path / "ref.bin", "4", *remote)  # node-local dirs
+    remote = ["--remote", f"s3://{bucket}/run", "--remote-options", json.dumps(moto_server.options()),
+              "--part-size", str(PART), "--width", "128"]
+    run(4, "save", base / "old{rank}", base / "ref.bin", "4", *remote)
+    total = sum(e.size for e in ShardManifest.from_json(
+        (base / "old0" / "step_000003" / "manifest.json").read_text()).shards)
+    fronts = [split_bytes(base / f"old{r}" / "step_000003" / f"rank{r}.bin")[0] for r in range(4)]
+    overhead = sum(-(-f // PART) * PART + 2 * PART for f in fronts)
     for rank in range(4):
-        shutil.rmtree(tmp_path / f"old{rank}")  # every machine is gone; only the bucket is left
-    restored = run(2, "restore", tmp_path / "new{rank}", tmp_path / "ref.bin", "2", *remote)
+        shutil.rmtree(base / f"old{rank}")  # every machine is gone; only the bucket is left
+    restored = run(2, "restore", base / "new{rank}", base / "ref.bin", "2", *remote)
+    return restored, overhead, total
+
+
+def test_fresh_machines_restore_fsdp2_state_from_s3_at_another_world_size(from_s3):
+    restored, _, _ = from_s3
     assert restored[0]["diff"] is None and all(r["step"] == 3 for r in restored)
 
 
-def test_a_fresh_machine_downloads_only_the_remote_parts_its_pieces_lie_in(tmp_path, moto_server):
-    bucket = f"ranged-{os.getpid()}"
-    moto_server.make_bucket(bucket)
-    remote = ["--remote", f"s3://{bucket}/run", "--remote-options", json.dumps(moto_server.options()),
-              "--part-size", str(16 << 10), "--width", "128"]  # small parts; state large beside headers
-    part = 16 << 10
-    run(4, "save", tmp_path / "old{rank}", tmp_path / "ref.bin", "4", *remote)
-    total = sum(e.size for e in ShardManifest.from_json(
-        (tmp_path / "old0" / "step_000003" / "manifest.json").read_text()).shards)
-    # what any rank must fetch besides its pieces: every shard's header and plain tensors, in whole
-    # parts, and at most one part more at each end of the run of pieces it needs from a shard
-    fronts = [split_bytes(tmp_path / f"old{r}" / "step_000003" / f"rank{r}.bin")[0] for r in range(4)]
-    overhead = sum(-(-f // part) * part + 2 * part for f in fronts)
-    for rank in range(4):
-        shutil.rmtree(tmp_path / f"old{rank}")
-    restored = run(2, "restore", tmp_path / "new{rank}", tmp_path / "ref.bin", "2", *remote)
-    assert restored[0]["diff"] is None
+def test_a_fresh_machine_downloads_only_the_remote_parts_its_pieces_lie_in(from_s3):
+    restored, overhead, total = from_s3
     for r in restored:  # each of 2 ranks needs half of the pieces: it fetched their parts, not every shard
         assert r["need"] <= r["fetched"] <= r["need"] + overhead < total, (r, overhead, total)
 

@@ -110,16 +110,14 @@ def test_a_zombie_process_after_a_relaunch_takes_over_commits_nothing_more(tmp_p
     """Writer A is a real process that goes on saving and uploading every 0.2 s after B's takeover."""
     import os
     import signal
-    import subprocess
-    import sys
     from pathlib import Path
 
+    import forkserver
     from s3server import CREDS
     here = Path(__file__).parent
     env = dict(os.environ, AWS_ACCESS_KEY_ID=CREDS["key"], AWS_SECRET_ACCESS_KEY=CREDS["secret"],
                AWS_ENDPOINT_URL=remote.options.get("endpoint_url", ""))
-    a = subprocess.Popen([sys.executable, str(here / "zombie_writer.py"), str(tmp_path / "a"), remote.url],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    a = forkserver.shared().popen([str(here / "zombie_writer.py"), str(tmp_path / "a"), remote.url], env=env)
     try:
         for line in a.stdout:  # until A has uploaded a few steps
             if line.startswith("step ") and line.split()[-1] != "None" and int(line.split()[-1]) >= 3:

@@ -255,7 +255,7 @@ def test_sigkill_at_any_moment_of_save_files_leaves_the_previous_step_live_and_n
         assert server.readline().strip() == "step 1 committed", err.read_text()
         assert server.readline().strip() == "saving step 2"
         time.sleep(delay)
-        os.kill(pid, signal.SIGKILL)
+        server.kill(pid, signal.SIGKILL)
         assert server.reap(pid) in (-signal.SIGKILL, 0), err.read_text()  # 0: step 2 was committed first
         with CheckpointStore(run) as store:
             steps = store.local.steps()

@@ -192,7 +192,7 @@ def test_a_kill_during_the_eviction_before_a_write_leaves_every_committed_step_l
             line = server.readline()
             assert line.startswith("EVICT"), (line, err.read_text())
         time.sleep(0.05 * (round_ % 4))  # before, inside or after the rename
-        os.kill(pid, signal.SIGKILL)
+        server.kill(pid, signal.SIGKILL)
         assert server.reap(pid) == -signal.SIGKILL, err.read_text()
         kills += 1
         held = committed(run)

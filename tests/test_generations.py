@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
+import forkserver
 import pytest
 import torch
 
@@ -51,9 +50,9 @@ class Writer:
         from s3server import CREDS
         env = dict(os.environ, AWS_ACCESS_KEY_ID=CREDS["key"], AWS_SECRET_ACCESS_KEY=CREDS["secret"],
                    AWS_ENDPOINT_URL=remote.options.get("endpoint_url", ""))
-        args = [sys.executable, str(HERE / "zombie_writer.py"), str(run_dir), remote.url, str(interval), timeline,
+        args = [str(HERE / "zombie_writer.py"), str(run_dir), remote.url, str(interval), timeline,
                 str(keep)] + (["takeover"] if takeover else [])
-        self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        self.proc = forkserver.shared().popen(args, env=env)  # a process forked with torch imported
         self.lines: list[str] = []
         self._reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True)
         self._reader.start()

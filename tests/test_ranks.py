@@ -11,9 +11,11 @@ import sys
 import time
 from pathlib import Path
 
+import forkserver
 import pytest
 import torch
 from conftest import ROOT
+from forkserver import Forked
 from s3server import free_port
 
 from tieredckpt import load_sharded
@@ -26,14 +28,15 @@ WORKER = Path(__file__).with_name("rank_worker.py")
 ZERO = ROOT / "examples" / "train_zero.py"
 
 
-def launch(world: int, argv: list[str]) -> list[subprocess.Popen]:
-    port = free_port()
+def launch(world: int, argv: list[str]) -> list[Forked]:
+    """``world`` ranks of ``python SCRIPT ...`` as torchrun starts them (its environment), each a
+    process forked from this test process's fork server: torch is imported once, not per rank."""
+    port, server = free_port(), forkserver.shared()
     procs = []
     for rank in range(world):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, *argv], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))
+        procs.append(server.popen(argv, env=env))
     return procs
 
 
