@@ -145,3 +145,54 @@ def test_accelerate_two_lines_save_and_restore_a_loop_on_a_fresh_machine_bit_ide
         assert all(torch.equal(a, b) for a, b in zip(model.parameters(), weights))
         save_state(acc, store, 10).wait()
     assert not list((tmp_path / "b").glob(".accelerate-*"))  # the restore's scratch is gone
+
+
+def test_with_enable_jit_checkpoint_the_sigterm_step_is_saved_once_committed_and_on_the_remote(
+        tmp_path, moto_server):
+    """The Trainer's own SIGTERM checkpointing (transformers >= 4.57) beside the callback: one
+    save of the stopped step, through the callback (committed, on the remote), not a second
+    one written by the JIT handler past every callback into the hard-linked folder."""
+    url = bucket(moto_server)
+    out = tmp_path / "out"
+    env = dict(os.environ, AWS_ACCESS_KEY_ID=CREDS["key"], AWS_SECRET_ACCESS_KEY=CREDS["secret"],
+               AWS_ENDPOINT_URL=moto_server.endpoint, PYTHONPATH=str(HERE), HF_RUN_JIT="1")
+    status, rest = signal_training(HERE / "hf_run.py", [str(out), url, "100000"], env, {6: signal.SIGTERM})
+    assert status == 0
+    stopped = int(rest.strip().splitlines()[-1].split()[-1])
+    folders = sorted(p.name for p in out.glob("checkpoint-*"))
+    assert folders == [f"checkpoint-{stopped}"], folders
+    assert not list(out.rglob("checkpoint-is-incomplete.txt"))
+    with CheckpointStore(out / STORE_DIR, read_only=True) as store:
+        assert store.local.steps() == [stopped]
+        store.local.verify(stopped, full=True)  # the committed folder was not written through
+    assert RemoteTier(url, moto_server.options()).newest_step() == stopped
+
+
+def test_the_jit_checkpoint_handler_is_taken_out_of_the_sigterm_chain(tmp_path):
+    """In-process: with enable_jit_checkpoint the Trainer installs a SIGTERM handler that starts a
+    3 s timer and then saves past every callback. Once training begins, SIGTERM reaches the
+    callback only: no JIT timer starts, no JIT save is requested, and the handler the JIT
+    manager replaced is the one put back at the end."""
+    import threading
+
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+    from transformers.trainer_callback import TrainerControl, TrainerState
+
+    before = signal.getsignal(signal.SIGTERM)
+    args = TrainingArguments(str(tmp_path / "out"), max_steps=1, use_cpu=True, report_to=[],
+                             enable_jit_checkpoint=True)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=64, n_positions=16))
+    cb = TieredCheckpointCallback(restore=False)
+    trainer = Trainer(model=model, args=args, callbacks=[cb])
+    jit = signal.getsignal(signal.SIGTERM).__self__  # the Trainer's CheckpointManager
+    state, control = TrainerState(), TrainerControl()
+    trainer.callback_handler.on_train_begin(args, state, control)
+    try:
+        timers = len([t for t in threading.enumerate() if isinstance(t, threading.Timer)])
+        signal.raise_signal(signal.SIGTERM)
+        assert cb.requests.stop_requested()
+        assert len([t for t in threading.enumerate() if isinstance(t, threading.Timer)]) == timers
+        assert not jit.is_checkpoint_requested
+    finally:
+        trainer.callback_handler.on_train_end(args, state, control)
+    assert signal.getsignal(signal.SIGTERM) == before

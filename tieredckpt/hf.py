@@ -25,6 +25,7 @@ import logging
 import os
 import re
 import shutil
+import threading
 from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -114,6 +115,7 @@ class TieredCheckpointCallback(TrainerCallback):
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         self._open(args)
         try:
+            _set_aside_jit_checkpoint(args)
             self._signals.enter_context(handle_signals(self.requests))
         except RuntimeError:  # not the main thread: no signals, the rest works
             log.warning("the Trainer runs off the main thread: SIGTERM/SIGUSR1 are not handled")
@@ -170,6 +172,28 @@ def _output_dir(args: TrainingArguments) -> Path:
     if args.output_dir is None:
         raise ValueError("TieredCheckpointCallback needs TrainingArguments(output_dir=...): the Trainer's folders go there")
     return Path(args.output_dir)
+
+
+def _set_aside_jit_checkpoint(args) -> None:
+    """``enable_jit_checkpoint`` (transformers >= 4.57) installs its own SIGTERM handler: 3 s
+    after the signal it saves ``checkpoint-N/`` by calling the Trainer's save directly, past
+    every callback's ``on_save`` -- a second save of the step this callback is already saving
+    at the next step boundary, into the folder it hard-links, never committed nor uploaded.
+    This callback's SIGTERM does what JIT checkpointing is for (save the current step, stop),
+    and commits and uploads it; so the JIT handler is taken out of the chain (its own original
+    handler is chained instead), and the Trainer's JIT callback, never triggered, does nothing.
+    Raises RuntimeError off the main thread, as installing any handler does."""
+    import signal
+    if threading.current_thread() is not threading.main_thread():
+        raise RuntimeError("signal handlers can only be installed from the main thread")
+    handler = signal.getsignal(signal.SIGTERM)
+    manager = getattr(handler, "__self__", None)
+    if not getattr(args, "enable_jit_checkpoint", False) or type(manager).__name__ != "CheckpointManager":
+        return
+    original = getattr(manager, "_original_sigterm_handler", None)
+    signal.signal(signal.SIGTERM, original if original is not None else signal.SIG_DFL)
+    log.info("enable_jit_checkpoint: SIGTERM is handled by tieredckpt's callback (the step saved at the next "
+             "step boundary is committed and sent to the remote); the Trainer's JIT handler is not chained")
 
 
 def _is_main(args) -> bool:
