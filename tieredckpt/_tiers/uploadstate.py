@@ -106,7 +106,9 @@ class UploadState:
                 # stamped with when the failing attempt began: drain() gives up only on an attempt
                 # it saw start (one in flight when it was called may have run into an old fault)
                 self._failures[-1 if step is None else step] = (message, self._round_started)
-        if transient:
+        if transient and self._stop.is_set():  # closing: the exit's own message says what is left
+            log.debug("upload%s: %s (closing)", f" of step {step}" if step is not None else "", message)
+        elif transient:
             log.warning("upload%s: %s; retrying in %.1f s", f" of step {step}" if step is not None else "",
                         message, self._delay())
         else:
