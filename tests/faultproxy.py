@@ -13,7 +13,10 @@ Modes: "503" (SlowDown), "500" (InternalError), "403" (AccessDenied), "404bucket
 never answered; the connection stays open until the fault ends), "dead" (every
 new connection is reset at once), "truncate" (the real answer, cut off half way
 through its body, then RST), "flip" (the real answer with one byte of its body
-flipped). ``methods`` limits a fault to some HTTP methods, ``path`` to request paths
+flipped), "strip-conditions" (If-None-Match and If-Match are taken off every request
+before it is forwarded: a server that ignores conditional writes, as many S3-compatible
+ones do), "501-conditions" (a request carrying either header is answered 501
+NotImplemented: a server that refuses them). ``methods`` limits a fault to some HTTP methods, ``path`` to request paths
 containing a substring, ``times`` to the next N requests that match.
 
 Requests that pass are forwarded over a keep-alive connection to the upstream and
@@ -36,7 +39,10 @@ _ERRORS = {
     "500": (500, "Internal Server Error", "InternalError", "We encountered an internal error."),
     "403": (403, "Forbidden", "AccessDenied", "Access Denied"),
     "404bucket": (404, "Not Found", "NoSuchBucket", "The specified bucket does not exist"),
+    "501-conditions": (501, "Not Implemented", "NotImplemented",
+                       "A header you provided implies functionality that is not implemented"),
 }
+_CONDITIONS = {"if-none-match", "if-match"}
 _HOP = {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "expect", "te", "upgrade"}
 
 
@@ -154,6 +160,11 @@ class FaultProxy:
                             break
                     conn.close()
                     return
+                conditional = any(k.lower() in _CONDITIONS for k, _ in headers)
+                if mode == "strip-conditions":
+                    headers = [(k, v) for k, v in headers if k.lower() not in _CONDITIONS]
+                elif mode == "501-conditions" and not conditional:
+                    mode = None
                 if mode in _ERRORS:
                     conn.sendall(_error_response(mode, method))
                     conn.close()

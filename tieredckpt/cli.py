@@ -88,6 +88,7 @@ def _parser() -> argparse.ArgumentParser:
     push.add_argument("run_dir")
     push.add_argument("--compression", default="zstd-dtype", choices=["zstd-dtype", "zstd-planes", "zstd", "raw"])
     _remote_args(push, "the remote (default: the one the run's store last used)")
+    _unfenced_arg(push)
     push.set_defaults(func=cmd_push)
 
     push_dir = sub.add_parser("push-dir", help="commit a folder of files (a framework's checkpoint) as a step, and upload it")
@@ -96,6 +97,7 @@ def _parser() -> argparse.ArgumentParser:
     push_dir.add_argument("dir", help="the folder: ordinary files in any tree (no symlinks, FIFOs, devices)")
     push_dir.add_argument("--copy", action="store_true", help="copy the files instead of hard-linking them")
     _remote_args(push_dir, "the remote (default: the one the run's store last used; none: local only)")
+    _unfenced_arg(push_dir)
     push_dir.set_defaults(func=cmd_push_dir)
 
     restore_dir = sub.add_parser("restore-dir", help="bring a folder step's files back into a new directory")
@@ -144,6 +146,7 @@ def _parser() -> argparse.ArgumentParser:
     gc.add_argument("--force", action="store_true", help="take the remote over from a live writer first (it stops writing there)")
     gc.add_argument("--dry-run", action="store_true", help="only list what would be deleted")
     _remote_args(gc, None)
+    _unfenced_arg(gc)
     gc.set_defaults(func=cmd_gc)
     return p
 
@@ -154,6 +157,12 @@ def _remote_args(parser, url_help: str | None) -> None:
     parser.add_argument("--endpoint-url", help="S3-compatible endpoint (MinIO, moto, ...)")
     parser.add_argument("--remote-option", action="append", default=[], metavar="KEY=VALUE",
                         help="an fsspec/s3fs option; repeatable")
+
+
+def _unfenced_arg(parser) -> None:
+    parser.add_argument("--allow-unfenced", action="store_true",
+                        help="write even where the server ignores conditional writes (no second writer is "
+                             "fenced off there: only when one writer ever runs)")
 
 
 def _remote_options(args, url: str | None) -> dict:
@@ -335,6 +344,17 @@ def _failure(record: dict) -> str:
     return f"step {record.get('step')} at {when}: {record.get('error')}"
 
 
+def _remote_damage(remote, step: int | None) -> str | None:
+    """What the remote's newest step lacks (remote.damage: sizes, a sample of crc32c), or None."""
+    if step is None:
+        return None
+    try:
+        bad = remote.damage(step)
+    except TieredCkptError as exc:
+        return str(exc)
+    return "; ".join(sorted(bad.values())[:3]) + (f" (and {len(bad) - 3} more)" if len(bad) > 3 else "") if bad else None
+
+
 def _ls_lag(remote, local_steps: set[int], recorded: dict) -> int:
     """The summary line: how far the remote lags, and the uploader's last error."""
     try:
@@ -343,6 +363,11 @@ def _ls_lag(remote, local_steps: set[int], recorded: dict) -> int:
         print(f"remote {remote.display_url}: cannot read its newest step: {exc}")
         return 1
     behind = [s for s in local_steps if s > (newest_remote if newest_remote is not None else -1)]
+    damage = _remote_damage(remote, newest_remote)
+    if damage:
+        print(f"remote {remote.display_url}: its newest step {newest_remote} is DAMAGED and does not restore: "
+              f"{damage}; a running store sends it again from its local copy")
+        return 1
     lag = (f"{len(behind)} checkpoint(s) not uploaded yet; the remote's newest is step {newest_remote}, "
            f"{max(local_steps) - (newest_remote or 0)} steps behind") if behind else "the remote is up to date"
     print(f"remote {remote.display_url}: {lag}")
@@ -399,7 +424,7 @@ def cmd_push(args) -> int:
         if not pending:
             print(f"{remote.display_url}: already holds every local checkpoint")
             return 0
-        lease = WriterLease(remote.t, floor=remote.newest_generation)
+        lease = WriterLease(remote.t, floor=remote.newest_generation, allow_unfenced=args.allow_unfenced)
         lease.acquire()  # only the remote's one writer uploads
         total = sum(tier.manifest(s).total_size for s in pending)
         bar = _TransferBar(total, f"upload {len(pending)} checkpoint(s)")
@@ -423,7 +448,8 @@ def cmd_push_dir(args) -> int:
     wait for the upload."""
     from ._loop.store import CheckpointStore
     url = _recorded_remote(args.run_dir, args)
-    with CheckpointStore(args.run_dir, url, remote_options=_remote_options(args, url), every=0) as store:
+    with CheckpointStore(args.run_dir, url, remote_options=_remote_options(args, url), every=0,
+                         allow_unfenced=args.allow_unfenced) as store:
         manifest = store.save_files(args.step, args.dir, link=not args.copy).wait()
         print(f"committed step {args.step} ({len(manifest.shards)} files, {_size(manifest.total_size)}) "
               f"in {store.local.step_path(args.step)}")
@@ -457,7 +483,7 @@ def cmd_gc(args) -> int:
     from ._tiers.lease import WriterLease
     from .errors import WriterConflictError
     remote = _remote(args.remote_url, args)
-    lease = WriterLease(remote.t, floor=remote.newest_generation)
+    lease = WriterLease(remote.t, floor=remote.newest_generation, allow_unfenced=args.allow_unfenced)
     if not args.dry_run:  # gc deletes as the remote's one writer, fenced like any: a live one refuses it
         try:
             lease.acquire(takeover=args.force)

@@ -147,7 +147,11 @@ class UploadError(TieredCkptError):
 
 
 class RemoteError(TieredCkptError, OSError):
-    """A remote request failed. ``transient``: a retry may succeed."""
+    """A remote request failed. ``transient``: a retry may succeed. ``code`` and ``status``: the
+    server's error code and HTTP status, where it answered (S3), else None."""
+
+    code: str | None = None
+    status: int | None = None
 
     def __init__(self, message: str, transient: bool) -> None:
         super().__init__(message)

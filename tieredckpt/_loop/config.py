@@ -48,6 +48,7 @@ class StoreConfig:
     exit_timeout: float = 2.0
     upload_on_exit: float = 20.0
     on_save_error: str = "raise"
+    allow_unfenced: bool = False
 
     def store_kwargs(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}

@@ -42,7 +42,8 @@ def _fork_remote(source: RemoteTier, run_dir: Path, step: int, new_run_dir: Path
                        request_timeout=source.t.request_timeout)
     try:
         _require_empty(child)  # before taking its lease: a live run's remote is refused for what it is
-        lease = WriterLease(child.t, floor=child.newest_generation)
+        # a source opened with allow_unfenced on such a server: its forks there go on the same way
+        lease = WriterLease(child.t, floor=child.newest_generation, allow_unfenced=source.t.conditions_ignored)
         lease.acquire()
         try:
             _require_empty(child)  # and under it: nobody committed there meanwhile

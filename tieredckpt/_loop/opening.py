@@ -86,10 +86,10 @@ def probe(remote: RemoteTier, read_only: bool) -> bool:
     return True
 
 
-def take_lease(remote: RemoteTier, takeover: bool, answered: bool) -> WriterLease:
+def take_lease(remote: RemoteTier, takeover: bool, answered: bool, allow_unfenced: bool = False) -> WriterLease:
     """The writer lease on the remote (another live writer fails here); when the remote does not
     answer it is left to the uploader to record, in the background."""
-    lease = WriterLease(remote.t, floor=remote.newest_generation)
+    lease = WriterLease(remote.t, floor=remote.newest_generation, allow_unfenced=allow_unfenced)
     if answered:
         try:
             lease.acquire(takeover=takeover)

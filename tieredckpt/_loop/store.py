@@ -93,7 +93,7 @@ class CheckpointStore(AbstractContextManager):
                  upload_part_size: int = PART_SIZE, close_timeout: float | None = 600.0,
                  exit_timeout: float = EXIT_TIMEOUT, upload_on_exit: float = UPLOAD_ON_EXIT,
                  on_save_error: str = "raise",
-                 read_only: bool = False, takeover: bool = False, remote_fs: AbstractFileSystem | None = None,
+                 read_only: bool = False, takeover: bool = False, allow_unfenced: bool = False, remote_fs: AbstractFileSystem | None = None,
                  distributed: bool | None = None, stall_budget: float = 0.02,
                  on_stats: Callable[[dict], None] | None = None, overlap: bool = False,
                  orphan_grace: float | None = 3600.0) -> None:
@@ -112,6 +112,10 @@ class CheckpointStore(AbstractContextManager):
         upload fails in a way retrying does not fix (access denied, no bucket, another writer).
         ``read_only``: a reader (eval job, notebook): lists and restores, never writes or deletes.
         ``takeover``: become the remote's writer even if another writer's lease has not lapsed.
+        ``allow_unfenced``: open for writing even where the server ignores or refuses
+        conditional writes (If-None-Match/If-Match), found out at open; there no second writer
+        is fenced off (a zombie of a relaunched job can commit), so only when one writer ever
+        runs. By default such a server is refused at open, with this said.
         ``distributed``: one shard per rank of the torch.distributed world (default: when
         a process group of more than one rank is initialized); every rank must create
         its store at the same point.
@@ -169,7 +173,7 @@ class CheckpointStore(AbstractContextManager):
             if remote:
                 self.remote = RemoteTier(remote, remote_options, fs=remote_fs, part_size=upload_part_size,
                                          request_timeout=request_timeout)
-                lease = opening.agree(self.ranks, lambda: self._open_remote(takeover), "opening the remote")
+                lease = opening.agree(self.ranks, lambda: self._open_remote(takeover, allow_unfenced), "opening the remote")
                 if not read_only:
                     self.uploader = self._room.uploader = Uploader(
                         self.local, self.remote, codec=compression or "raw", level=compression_level, mode=uploads,
@@ -204,12 +208,12 @@ class CheckpointStore(AbstractContextManager):
         if not opening.take_lock(self._lock, self.local):
             self.read_only = self._fell_back_to_reading = True
 
-    def _open_remote(self, takeover: bool) -> WriterLease | None:
+    def _open_remote(self, takeover: bool, allow_unfenced: bool) -> WriterLease | None:
         assert self.remote is not None  # called only when the store has one
         answered = opening.probe(self.remote, self.read_only)
         if self.read_only or self.rank != 0:
             return None
-        return opening.take_lease(self.remote, takeover, answered)
+        return opening.take_lease(self.remote, takeover, answered, allow_unfenced)
 
     def _start(self) -> None:
         if not self.read_only and self.ranks is None:

@@ -64,6 +64,7 @@ from collections.abc import Set as AbstractSet
 from .._format import layout
 from .._format.uploadmanifest import generation_of
 from ..errors import RemoteError, WriterConflictError
+from . import condprobe
 from .transport import Transport
 
 log = logging.getLogger("tieredckpt")
@@ -76,8 +77,10 @@ _MAX_RECORD = 64 << 10
 class WriterLease:
     def __init__(self, transport: Transport, *, lease_seconds: float = LEASE_SECONDS,
                  heartbeat: float = HEARTBEAT_SECONDS, settle: float | None = None,
-                 floor: Callable[[], int] | None = None) -> None:
+                 floor: Callable[[], int] | None = None, allow_unfenced: bool = False) -> None:
         self.t = transport
+        self.allow_unfenced = allow_unfenced  # go on where the server ignores write conditions
+        self._probed = False  # condprobe.py asked, once, before the first taking
         # the highest generation the remote's commit markers record (RemoteTier.newest_generation):
         # asked only when there is no record to read it from (a new or wiped remote)
         self.floor = floor
@@ -125,6 +128,7 @@ class WriterLease:
         # the version read (a writer that wrote in between wins: _Raced) -> heartbeat.
         # The markers are read first: the record's read and our write over it stay one round trip
         # apart, or a zombie writing its record twice a step wins every race against a takeover.
+        self._check_fencing()
         marked = self.floor() if self.floor else 0
         found = self.t.read_versioned(layout.WRITER_LEASE, _MAX_RECORD)
         current, version, age = (None, None, None) if found is None else (_parse(found[0], self.t), *found[1:])
@@ -158,6 +162,33 @@ class WriterLease:
         _LIVE.add(self.token)
         self.previous = other
         self._start_heartbeat()
+
+    def _check_fencing(self) -> None:
+        """Before the first taking: does the remote enforce the conditions every fence is? A
+        server that ignores or refuses them stops a writer here, with the way forward, unless
+        ``allow_unfenced`` (then the lease reads, compares and writes, and says so every open)."""
+        if self._probed:
+            return
+        what = condprobe.ignored_conditions(self.t)
+        self._probed = True
+        if what is None:
+            if not self.t.conditional and self.t.protocol != "memory":
+                log.warning("%s: this backend has no conditional writes: two writers are told apart by reading "
+                            "the writer record back, and a replaced writer learns it only at its next heartbeat "
+                            "(an S3 server or a disk fences every commit)", self.t.display_url)
+            return
+        if not self.allow_unfenced:
+            raise RemoteError(
+                f"{self.t.display_url}: this server does not enforce conditional writes ({what}). Every guard "
+                "against a second writer rests on them: through this server two writers could both own the "
+                "remote, and a writer replaced by a relaunch would go on committing and pruning steps. Use a "
+                "server that honours If-None-Match and If-Match (AWS S3, MinIO, SeaweedFS, moto), or, when "
+                "no two writers can ever run at once, open with allow_unfenced=True (--allow-unfenced), "
+                "accepting that a zombie writer can then commit", transient=False)
+        self.t.conditions_ignored = True
+        log.warning("%s: this server does not enforce conditional writes (%s); opened with allow_unfenced: "
+                    "writers are NOT fenced here, so a second writer or a zombie of this one can commit and "
+                    "delete steps. Make sure only one writer ever runs", self.t.display_url, what)
 
     def _refuse_if_replaced(self, other: dict | None, wiped_after_us: bool, seen: int) -> None:
         """A lease we held and lost never comes back: any record but ours, or (where the record

@@ -54,7 +54,7 @@ from fsspec.asyn import AsyncFileSystem
 from ..errors import RemoteAccessError, RemoteError, RemoteNotFoundError, TieredCkptError
 from . import diskcas
 from .credentials import redact_url, scrub, secret_values, url_secrets
-from .remoteerrors import CONDITION_FAILED, is_transient, map_error
+from .remoteerrors import condition_failed, is_transient, map_error
 from .s3body import PartBody
 
 REQUEST_TIMEOUT = 60.0  # seconds per request, plus one second per MB it moves
@@ -84,6 +84,9 @@ class Transport:
             _quiet_orphaned_body_writers(fs.loop)
         self._s3 = _is_s3(self.protocol) and hasattr(fs, "split_path")
         self._checksums = self._s3 and _sends_checksums(self.options)
+        # set when the server was found to ignore or refuse If-None-Match/If-Match (condprobe.py)
+        # and the writer chose to go on: its conditional writes then read, compare and write
+        self.conditions_ignored = False
         self._inflight: set[Future] = set()  # requests waited on now (abort cancels them)
         self._inflight_lock = threading.Lock()
         self._deadline: float | None = None  # monotonic; set by abort(): no request outlives it
@@ -205,7 +208,13 @@ class Transport:
         """True when a write's condition is enforced by the backend itself (S3 and S3-compatible
         servers that honour If-None-Match/If-Match; a local or mounted disk): a compare-and-swap
         that no timing can break. Elsewhere the same calls read, compare and write."""
-        return self._s3 or self.protocol in ("file", "local")
+        return self.server_conditions or self.protocol in ("file", "local")
+
+    @property
+    def server_conditions(self) -> bool:
+        """True when the conditions are sent to the server as headers (S3) and not known to be
+        ignored there: what condprobe.py checks before a writer relies on them."""
+        return self._s3 and not self.conditions_ignored
 
     def read_versioned(self, rel: str, max_size: int) -> tuple[bytes, str, float | None] | None:
         """(bytes, version, age) of an object, or None when it does not exist. ``version`` is what
@@ -233,25 +242,30 @@ class Transport:
 
     def put_if_absent(self, rel: str, data: bytes) -> str | None:
         """Create ``rel`` only if nothing is there: its version, or None when something was."""
-        if self._s3:
+        if self.server_conditions:
             return self._s3_put(rel, data, {"IfNoneMatch": "*"})
         if self.protocol in ("file", "local"):
             return self._disk(rel, data, None, f"create {rel}")
         if self.exists(rel):
             return None
-        self.put(rel, data)
-        return diskcas.digest(data)
+        return self._put_versioned(rel, data)
 
     def put_if_match(self, rel: str, data: bytes, version: str) -> str | None:
         """Replace ``rel`` only if it is still at ``version``: the new version, or None when it
         changed or is gone."""
-        if self._s3:
+        if self.server_conditions:
             return self._s3_put(rel, data, {"IfMatch": version})
         if self.protocol in ("file", "local"):
             return self._disk(rel, data, version, f"replace {rel}")
         current = self.read_versioned(rel, max(len(data), 1 << 20) * 4)
         if current is None or current[1] != version:
             return None
+        return self._put_versioned(rel, data)
+
+    def _put_versioned(self, rel: str, data: bytes) -> str:
+        """An unconditional write, answering the version read_versioned will report for it."""
+        if self._s3:
+            return self._s3_put(rel, data, {}) or diskcas.digest(data)  # the ETag
         self.put(rel, data)
         return diskcas.digest(data)
 
@@ -276,7 +290,7 @@ class Transport:
                 return None  # gone: the condition failed
             raise
         except RemoteError as exc:
-            if CONDITION_FAILED.search(str(exc)):
+            if condition_failed(exc):
                 return None
             raise
         self.fs.invalidate_cache(self.path(rel))
