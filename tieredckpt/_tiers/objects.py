@@ -20,6 +20,7 @@ part is sent: a reused object is one whose bytes we have seen equal, never one w
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -85,6 +86,15 @@ class ObjectIndex:
                 self._by_key[key] = kept
             else:
                 self._by_key.pop(key, None)
+
+    def forget_objects(self, rels: AbstractSet[str]) -> None:
+        """These objects are damaged on the remote: no later step may name them again."""
+        for key, known in list(self._by_key.items()):
+            kept = [k for k in known if k.entry.path not in rels]
+            if kept:
+                self._by_key[key] = kept
+            else:
+                self._by_key.pop(key)
 
     def has(self, step: int) -> bool:
         return step in self._steps

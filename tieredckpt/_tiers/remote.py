@@ -501,6 +501,34 @@ class RemoteTier:
                 f"{self.where(rel)}: {size} bytes with crc32c {crc}, the upload manifest records "
                 f"{part.stored_size} bytes with {part.stored_crc32c} (corrupt remote object)")
 
+    def damage(self, step: int, sample_bytes: int = 16 << 20) -> dict[str, str]:
+        """What of committed ``step`` does not read back as its upload manifest records:
+        {object (relative to the root): why}, empty when nothing was found. Every part is checked
+        for being there at its recorded size (one listing per directory), and a bounded sample --
+        the smallest parts first, up to ``sample_bytes`` in all, the smallest always -- is read
+        back and its crc32c checked. A cheap look, not a full verify: a restore checks every byte."""
+        upload = self.upload_manifest(step)
+        parts = sorted({upload.part_rel(p): p for f in upload.files for p in f.parts}.items(),
+                       key=lambda item: item[1].stored_size)
+        listed: dict[str, int] = {}
+        for directory in sorted({rel.rsplit("/", 1)[0] for rel, _ in parts}):
+            listed.update({f"{directory}/{name}": size for name, size in self.t.list_files(directory).items()})
+        bad = {rel: (f"{self.where(rel)}: missing" if rel not in listed else
+                     f"{self.where(rel)}: {listed[rel]} bytes, the upload manifest records {p.stored_size}")
+               for rel, p in parts if listed.get(rel) != p.stored_size}
+        budget = sample_bytes
+        for i, (rel, part) in enumerate(parts):
+            if rel in bad or (i and part.stored_size > budget):
+                continue
+            budget -= part.stored_size
+            try:
+                self._stream_checked(rel, part, lambda chunk, at: None)
+            except RemoteNotFoundError:
+                bad[rel] = f"{self.where(rel)}: missing"
+            except CorruptCheckpointError as exc:
+                bad[rel] = str(exc)
+        return bad
+
     # ---- deletion -----------------------------------------------------------------------
 
     def delete(self, step: int, generation: int | None = None) -> None:

@@ -76,6 +76,8 @@ class Housekeeping(UploadState):
         if newest is None or fresh:
             return []
         if self.remote.is_committed(newest):
+            if self._replace_if_damaged(newest):
+                return [newest]
             with self._cond:
                 self._confirmed = (newest, time.monotonic())
             return []
@@ -84,6 +86,26 @@ class Housekeeping(UploadState):
         log.warning("%s: no longer holds uploaded step(s) %s (wiped or damaged?); the local copies are kept "
                     "and uploaded again", self.remote.display_url, lost)
         return lost
+
+    def _replace_if_damaged(self, step: int) -> bool:
+        """The newest uploaded step is there but does not read back as committed (a part missing,
+        cut short or changed: a flipped byte, another tool's write): it is deleted under our fence
+        and, its damaged objects forgotten so that nothing names them again, sent afresh from the
+        local copy. True when that is to happen. Where the local copy is gone too, it is said."""
+        bad = self.remote.damage(step)
+        if not bad:
+            return False
+        if step not in self.local.steps() or self.lease is None or self.ranks is not None:
+            log.error("%s: step %d is damaged there (%s) and cannot be sent again from here; restore an "
+                      "earlier step", self.remote.display_url, step, "; ".join(sorted(bad.values())[:3]))
+            return False
+        log.warning("%s: step %d is damaged there (%s); sending it again from the local copy",
+                    self.remote.display_url, step, "; ".join(sorted(bad.values())[:3]))
+        self.lease.fence()
+        self.index.forget_objects(set(bad))
+        self.index.forget(step)
+        self.remote.delete(step, generation=self.lease.generation)
+        return True
 
     def _requeue_lost(self, lost: list[int]) -> None:
         if not lost:
