@@ -28,7 +28,7 @@ from tieredckpt._tiers.local import LocalTier
 
 DEMO = ROOT / "examples" / "train_tiny_lm.py"
 EXIT_BOUND = 10.0  # seconds from SIGTERM to the process's end beyond the upload budget (the default aims at 5)
-BUDGET = 3.0  # the demo's --upload-on-exit here: what it may spend sending the stopped step first
+BUDGET = 1.5  # the demo's --upload-on-exit here: what it may spend sending the stopped step first
 
 
 def demo(run_dir: Path, proxied, steps: int = 100_000, every: int = 20) -> subprocess.Popen:

@@ -24,7 +24,7 @@ STEPS, EVERY = 120, 25
 
 
 def start(run_dir: Path, steps: int = STEPS, remote=None) -> subprocess.Popen:
-    """The demo; ``remote``: (url, moto server) to upload to."""
+    """The demo; ``remote``: (url, S3 server of the suite) to upload to."""
     extra, env = [], None
     if remote is not None:
         from s3server import CREDS
@@ -84,13 +84,13 @@ def test_sigterm_saves_the_current_step_exits_0_and_resume_is_bit_identical(tmp_
 
 
 def test_sigterm_uploads_the_stopped_step_so_a_fresh_machine_resumes_from_it_bit_identical(
-        tmp_path, straight, moto_server):
+        tmp_path, straight, seaweed_server):
     """Preemption: the node that got SIGTERM never comes back. The step saved on SIGTERM is on
     the remote when the process exits 0, and a fresh machine (the run directory wiped) resumes
     from exactly that step -- not the last cadence step -- bit-identical to the run that never
-    stopped."""
-    moto_server.make_bucket("preempted")
-    remote = ("s3://preempted/tiny", moto_server)
+    stopped. On SeaweedFS, the suite's production server (test_exit and test_ranks use moto)."""
+    seaweed_server.make_bucket("preempted")
+    remote = ("s3://preempted/tiny", seaweed_server)
     proc = start(tmp_path / "run", remote=remote)
     wait_for_step(proc, tmp_path / "run", EVERY + 12)  # past a cadence step: the SIGTERM step is newer
     proc.send_signal(signal.SIGTERM)
