@@ -39,9 +39,12 @@ class MotoServer:
             except RuntimeError:
                 if attempt == 2:
                     raise
-                self.port = free_port()
-                self.endpoint = f"http://127.0.0.1:{self.port}"
+                self._new_ports()
         raise AssertionError("unreachable")
+
+    def _new_ports(self) -> None:
+        self.port = free_port()
+        self.endpoint = f"http://127.0.0.1:{self.port}"
 
     def _start_once(self) -> MotoServer:
         exe = Path(sys.executable).with_name("moto_server")
@@ -107,20 +110,11 @@ class SeaweedServer(MotoServer):
         self.base = base
         self.data = tempfile.mkdtemp(prefix="weed-")
 
-    def start(self) -> SeaweedServer:
-        """Up within seconds; a port taken between our check and its bind (parallel workers start
-        servers too) is tried again on another block."""
-        for attempt in range(3):
-            try:
-                return self._start_once()
-            except RuntimeError:
-                if attempt == 2:
-                    raise
-                self.base = free_port_block(5)
-                self.port = self.base + 3
-                self.endpoint = f"http://127.0.0.1:{self.port}"
-                self.data = tempfile.mkdtemp(prefix="weed-")
-        raise AssertionError("unreachable")
+    def _new_ports(self) -> None:  # start() retries on another block, with fresh data
+        self.base = free_port_block(5)
+        self.port = self.base + 3
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.data = tempfile.mkdtemp(prefix="weed-")
 
     def _start_once(self) -> SeaweedServer:
         exe = weed_binary()
