@@ -401,12 +401,12 @@ def test_a_full_disk_during_a_download_is_a_disk_full_error_on_every_download_pa
     import errno
 
     from tieredckpt import DiskFullError
-    from tieredckpt._tiers import remote as remote_module
+    from tieredckpt._tiers import download as download_module
     big, url = _uploaded_big(tmp_path, codec)
 
     def full(fd, data, offset):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-    monkeypatch.setattr(remote_module, "_pwrite_all", full)
+    monkeypatch.setattr(download_module, "pwrite_all", full)
     for read_only in (False, True):
         where = tmp_path / f"fresh-{read_only}"
         with CheckpointStore(where, url, read_only=read_only) as store:

@@ -12,7 +12,7 @@ from conftest import ROOT
 
 LAYERS = {"errors": 0, "_format": 1, "_tiers": 2, "_loop": 3}  # anything else in the package: the top
 TOP = 4
-MAX_LINES = 700  # a module past this owns more than one thing: split it by what it owns
+MAX_LINES = 600  # a module past this owns more than one thing: split it by what it owns
 
 
 def module_names(package: Path) -> dict[str, Path]:

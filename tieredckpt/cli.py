@@ -20,7 +20,6 @@ Remote credentials come from the environment (AWS_ACCESS_KEY_ID, ...) or
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
@@ -31,7 +30,9 @@ import warnings
 from pathlib import Path
 
 from . import __version__
-from ._format import layout
+from ._cli.listing import cmd_ls
+from ._cli.remoteargs import open_remote, recorded_remote, remote_options, run_remote
+from ._cli.units import fmt_ranks, fmt_size
 from ._format.shardheader import read_header
 from ._tiers.local import LocalTier
 from ._tiers.runlock import RunLock
@@ -165,222 +166,8 @@ def _unfenced_arg(parser) -> None:
                              "fenced off there: only when one writer ever runs)")
 
 
-def _remote_options(args, url: str | None) -> dict:
-    """--remote-option KEY=VALUE items and --endpoint-url (an S3 remote's), as fsspec options."""
-    options = {}
-    for item in args.remote_option:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ValueError(f"--remote-option {item!r}: expected KEY=VALUE")
-        options[key] = value
-    if args.endpoint_url and url and url.startswith("s3://"):
-        options["endpoint_url"] = args.endpoint_url
-    return options
-
-
-def _recorded_remote(run_dir, args) -> str | None:
-    """--remote, or the remote the run's store last used (None: none, or one needing credentials)."""
-    url = args.remote or _status(LocalTier(run_dir, create=False, must_exist=False)).get("remote")
-    return url if isinstance(url, str) and "***@" not in url else None
-
-
-def _remote(url: str, args, create: bool = False):
-    from ._tiers.remote import RemoteTier
-    remote = RemoteTier(url, _remote_options(args, url))
-    remote.t.probe(create=create)  # a missing bucket or refused credentials: say so now
-    return remote
-
-
-def _run_remote(tier: LocalTier, args, create: bool = False):
-    """The remote named on the command line, or the one the run's store recorded; and the status."""
-    url = getattr(args, "remote", None)
-    status = _status(tier)
-    url = url or status.get("remote")
-    if url is not None and not isinstance(url, str):
-        url = None
-    if url and "***@" in url:
-        raise ValueError(f"{tier.root}: the recorded remote {url} needs its credentials; pass --remote")
-    return (_remote(url, args, create) if url else None), status
-
-
-def _status(tier: LocalTier) -> dict:
-    """The uploader's status file (informational; anything unreadable counts as none)."""
-    try:
-        with open(tier.root / layout.STATUS_FILE, "rb") as f:
-            doc = json.loads(f.read(1 << 20))
-    except (OSError, ValueError):
-        return {}
-    if not isinstance(doc, dict) or not isinstance(doc.get("steps", {}), dict):
-        return {}
-    return doc
-
-
-def cmd_ls(args) -> int:
-    """Newest first, a row printed as soon as it is known: the remote is listed once (its step
-    directories, with a delimiter) and each shown step's upload manifest read as it is printed."""
-    tier = LocalTier(args.run_dir, create=False)
-    remote, recorded = _run_remote(tier, args)
-    local_steps = set(tier.steps())
-    remote_dirs, problems = _remote_dirs(remote)
-    steps = sorted(local_steps | set(remote_dirs), reverse=True)
-    if not steps:
-        print(f"{tier.root}: no committed checkpoints" + (f" (nor in {remote.display_url})" if remote else ""))
-        return problems and 1
-    shown = steps[:args.limit] if args.limit > 0 else steps
-    pointer = tier.latest_pointer()
-    print(f"{'STEP':>10}  {'AGE':>9}  {'SIZE':>10}  {'FILES':>5}  {'WHERE':<12}  STATUS", flush=True)
-    for step in shown:
-        row, bad = _ls_row(tier, remote, step, step in local_steps, step in remote_dirs, recorded, args)
-        problems += bad
-        print(row + (" <- latest" if step == pointer else ""), flush=True)
-    if len(shown) < len(steps):
-        print(f"... and {len(steps) - len(shown)} older step(s) (--limit 0 lists all)")
-    if remote is not None:
-        problems += _ls_lag(remote, local_steps, recorded)
-    if args.stats:
-        _ls_stats(tier.root / layout.EVENTS_FILE)
-    else:
-        problems += _ls_failing(tier.root / layout.EVENTS_FILE)
-    stale = [e.name for e in tier.root.iterdir() if layout.scratch_owner_pid(e.name) is not None]
-    if stale:
-        print(f"({len(stale)} leftover temp entries from an interrupted save; removed at the next save)")
-    return 1 if problems else 0
-
-
-def _remote_dirs(remote) -> tuple[list[int], int]:
-    if remote is None:
-        return [], 0
-    try:
-        return remote.step_dirs(), 0
-    except TieredCkptError as exc:
-        print(f"remote {remote.display_url}: cannot list it: {exc}", file=sys.stderr)
-        return [], 1
-
-
-def _ls_row(tier, remote, step, local: bool, on_remote: bool, recorded: dict, args) -> tuple[str, int]:
-    """One row of `ls` and whether it shows a problem."""
-    from .errors import CheckpointNotFoundError
-    bad, committed, manifest, status, writer = 0, False, None, "", None
-    if on_remote:
-        try:
-            upload = remote.upload_manifest(step)
-            manifest, writer = upload.shard_manifest, upload.writer
-            committed = True
-        except CheckpointNotFoundError:
-            status = "half-uploaded (no upload.json: invisible to readers)"
-        except TieredCkptError as exc:
-            bad, status = 1, f"BAD on the remote: {exc}"
-    try:
-        if local:
-            status = "unchecked" if args.no_verify else "ok (crc32c)"
-            manifest, here = (tier.manifest(step), None) if args.no_verify else verify_present(tier.step_path(step))
-            if here is not None and len(here) < manifest.world_size:
-                status += f"; ranks {_ranks(here)} of {manifest.world_size} on this node"
-        elif committed:
-            status = "remote only"
-    except TieredCkptError as exc:
-        bad, status, manifest = 1, f"BAD: {exc}", None
-    if remote is not None and local and not committed:
-        entry = recorded.get("steps", {}).get(str(step))
-        entry = entry if isinstance(entry, dict) else {"state": "pending"}
-        state = entry.get("state", "pending")
-        status += f"; upload {state}" + (f": {entry['error']}" if entry.get("error") else "")
-        bad += state == "failed"
-    if committed and upload.schema_version >= 2:
-        status += f"; sent {_size(upload.sent_size)} of {_size(upload.stored_size)} referenced"
-    if writer:
-        status += f"; committed by {writer.get('host')} pid {writer.get('pid')} ({writer.get('token', '')[:8]})"
-    where = "+".join(name for name, has in (("local", local), ("remote", committed)) if has) or "remote"
-    age, size, files = ((_age(manifest.created_unix), _size(manifest.total_size), len(manifest.shards))
-                        if manifest is not None else ("?", "?", "?"))
-    return f"{step:>10}  {age:>9}  {size:>10}  {files:>5}  {where:<12}  {status}", bad
-
-
-def _ls_stats(path) -> None:
-    """The summary of the events file: what saves blocked and took, what uploads lagged."""
-    from ._loop.stats import read_events, summarize
-    saves, uploads, failures = read_events(path)
-    if not saves and not uploads and not failures:
-        print(f"stats: {path} holds no records yet (written by a store that saves)")
-        return
-    s = summarize(saves, uploads, failures)
-    share = saves[-1].get("blocked_share") if saves else None
-
-    def secs(key):
-        f = s.get(key)
-        return "-" if not f else f"median {f['median']:.3f} s, max {f['max']:.3f} s"
-    print(f"stats ({len(saves)} saves, {len(uploads)} uploads, from {path.name}):")
-    if isinstance(share, (int, float)):
-        print(f"  loop blocked by save(): {share:.2%} of wall-clock time in the latest process")
-    for key, label in (("blocked", "blocked per save"), ("staging", "staging copy"),
-                       ("deferred_copy", "background copy (overlap)"), ("write", "write"),
-                       ("fsync", "fsync"), ("commit", "commit"), ("upload", "upload"),
-                       ("lag", "upload lag (commit -> remote)")):
-        if key != "deferred_copy" or (s.get(key) and s[key]["max"] > 0):
-            print(f"  {label + ':':<31} {secs(key)}")
-    if s.get("save_bytes") and s.get("bytes_sent") and s["save_bytes"]["median"]:
-        print(f"  sent per save: median {s['bytes_sent']['median'] / s['save_bytes']['median']:.3f}x its size")
-    if failures:
-        print(f"  failed saves: {len(failures)}; the last: {_failure(failures[-1])}")
-
-
-def _ls_failing(path) -> int:
-    """A line when the newest saves failed (none committed since): 1 then, else 0."""
-    from ._loop.stats import read_events
-    try:
-        saves, _, failures = read_events(path, limit=1 << 20)
-    except TieredCkptError:
-        return 0
-    last_ok = max((r.get("unix") or 0 for r in saves), default=0)
-    failing = [r for r in failures if (r.get("unix") or 0) > last_ok]
-    if failing:
-        print(f"SAVES FAILING: {len(failing)} save(s) failed since the last one that committed; "
-              f"the last: {_failure(failing[-1])}")
-    return int(bool(failing))
-
-
-def _failure(record: dict) -> str:
-    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(record.get("unix") or 0))
-    return f"step {record.get('step')} at {when}: {record.get('error')}"
-
-
-def _remote_damage(remote, step: int | None) -> str | None:
-    """What the remote's newest step lacks (remote.damage: sizes, a sample of crc32c), or None."""
-    if step is None:
-        return None
-    try:
-        bad = remote.damage(step)
-    except TieredCkptError as exc:
-        return str(exc)
-    return "; ".join(sorted(bad.values())[:3]) + (f" (and {len(bad) - 3} more)" if len(bad) > 3 else "") if bad else None
-
-
-def _ls_lag(remote, local_steps: set[int], recorded: dict) -> int:
-    """The summary line: how far the remote lags, and the uploader's last error."""
-    try:
-        newest_remote = remote.newest_step()
-    except TieredCkptError as exc:
-        print(f"remote {remote.display_url}: cannot read its newest step: {exc}")
-        return 1
-    behind = [s for s in local_steps if s > (newest_remote if newest_remote is not None else -1)]
-    damage = _remote_damage(remote, newest_remote)
-    if damage:
-        print(f"remote {remote.display_url}: its newest step {newest_remote} is DAMAGED and does not restore: "
-              f"{damage}; a running store sends it again from its local copy")
-        return 1
-    lag = (f"{len(behind)} checkpoint(s) not uploaded yet; the remote's newest is step {newest_remote}, "
-           f"{max(local_steps) - (newest_remote or 0)} steps behind") if behind else "the remote is up to date"
-    print(f"remote {remote.display_url}: {lag}")
-    error = recorded.get("last_error")
-    if isinstance(error, dict) and error.get("message") and behind:
-        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(error.get("unix", 0)))
-        kind = "retrying" if error.get("transient") else "FAILING (retried slowly; fix it)"
-        print(f"last upload error at {when} ({kind}): {error['message']}")
-    return 0
-
-
 def cmd_restore(args) -> int:
-    remote = _remote(args.remote_url, args)
+    remote = open_remote(args.remote_url, args)
     step = args.step if args.step is not None else remote.newest_step()
     if step is None:
         print(f"tieredckpt: error: {remote.display_url}: no uploaded checkpoints", file=sys.stderr)
@@ -417,7 +204,7 @@ def cmd_push(args) -> int:
     lock = RunLock(tier.root)
     lock.acquire()  # a training run writing here holds it: its own uploader does this job
     try:
-        remote, _ = _run_remote(tier, args, create=True)
+        remote, _ = run_remote(tier, args, create=True)
         if remote is None:
             raise ValueError(f"{tier.root}: no remote recorded for this run; pass --remote URL")
         pending = [s for s in tier.steps() if not remote.is_committed(s)]
@@ -447,11 +234,11 @@ def cmd_push_dir(args) -> int:
     """Commit DIR as STEP of RUN_DIR through a store (its lock and the remote's lease), then
     wait for the upload."""
     from ._loop.store import CheckpointStore
-    url = _recorded_remote(args.run_dir, args)
-    with CheckpointStore(args.run_dir, url, remote_options=_remote_options(args, url), every=0,
+    url = recorded_remote(args.run_dir, args)
+    with CheckpointStore(args.run_dir, url, remote_options=remote_options(args, url), every=0,
                          allow_unfenced=args.allow_unfenced) as store:
         manifest = store.save_files(args.step, args.dir, link=not args.copy).wait()
-        print(f"committed step {args.step} ({len(manifest.shards)} files, {_size(manifest.total_size)}) "
+        print(f"committed step {args.step} ({len(manifest.shards)} files, {fmt_size(manifest.total_size)}) "
               f"in {store.local.step_path(args.step)}")
         if store.remote is not None:
             if not store.wait(uploads=True):
@@ -468,8 +255,8 @@ def cmd_restore_dir(args) -> int:
     if "://" in args.source:
         local, url = Path(tempfile.gettempdir()) / f"tieredckpt-reader-{os.getpid()}", args.source
     else:
-        local, url = Path(args.source), _recorded_remote(args.source, args)
-    with CheckpointStore(local, url, remote_options=_remote_options(args, url), read_only=True) as store:
+        local, url = Path(args.source), recorded_remote(args.source, args)
+    with CheckpointStore(local, url, remote_options=remote_options(args, url), read_only=True) as store:
         step = store.restore_files(args.step, to=args.to)
     if step is None:
         print(f"tieredckpt: error: {args.source}: holds no checkpoint", file=sys.stderr)
@@ -482,7 +269,7 @@ def cmd_gc(args) -> int:
     """Delete remote step directories without an upload manifest, once nobody can be finishing them."""
     from ._tiers.lease import WriterLease
     from .errors import WriterConflictError
-    remote = _remote(args.remote_url, args)
+    remote = open_remote(args.remote_url, args)
     lease = WriterLease(remote.t, floor=remote.newest_generation, allow_unfenced=args.allow_unfenced)
     if not args.dry_run:  # gc deletes as the remote's one writer, fenced like any: a live one refuses it
         try:
@@ -554,12 +341,12 @@ def cmd_verify(args) -> int:
         try:
             if args.node_local:
                 manifest, here = verify_present(tier.require(step), full=args.full)
-                print(f"step {step}: ok (ranks {_ranks(here)} of {manifest.world_size} here, {kind})")
+                print(f"step {step}: ok (ranks {fmt_ranks(here)} of {manifest.world_size} here, {kind})")
                 continue
             manifest = tier.verify(step, full=args.full)
             checked = kind if all(e.sha256 for e in manifest.shards) or not args.full else \
                 "crc32c; sha256 not recorded yet, a store opened on the run records it"
-            print(f"step {step}: ok ({len(manifest.shards)} {_unit(manifest)}, {_size(manifest.total_size)}, {checked})")
+            print(f"step {step}: ok ({len(manifest.shards)} {_unit(manifest)}, {fmt_size(manifest.total_size)}, {checked})")
         except TieredCkptError as exc:
             failed += 1
             print(f"step {step}: FAILED: {exc}")
@@ -579,7 +366,7 @@ def cmd_inspect(args) -> int:
     print(f"  step {manifest.step}, {'files' if folder else 'world_size'} {manifest.world_size}, "
           f"schema_version {manifest.schema_version}, wall_clock_seconds {manifest.wall_clock_seconds:g}")
     print(f"  written {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(manifest.created_unix))}, "
-          f"{_size(manifest.total_size)} in {len(manifest.shards)} {_unit(manifest)}")
+          f"{fmt_size(manifest.total_size)} in {len(manifest.shards)} {_unit(manifest)}")
     for key, value in manifest.user.items():
         print(f"  {key}: {value}")
     if folder:
@@ -594,7 +381,7 @@ def cmd_inspect(args) -> int:
             print(f"  rank {entry.rank}: {entry.path}  BAD: {exc}")
             continue
         header.pop("__metadata__", None)
-        print(f"  rank {entry.rank}: {entry.path}  {_size(entry.size)}  crc32c {entry.crc32c}  "
+        print(f"  rank {entry.rank}: {entry.path}  {fmt_size(entry.size)}  crc32c {entry.crc32c}  "
               f"params [{entry.param_shard_offset}, +{entry.param_shard_numel})  {len(header)} tensors")
         for name, info in list(header.items())[:20]:
             print(f"      {name:<48} {info['dtype']:<5} {info['shape']}")
@@ -613,7 +400,7 @@ def _inspect_folder(path: Path, manifest) -> int:
     for entry in manifest.shards:
         try:
             open_shard(path, entry).close()  # a regular file of the recorded size
-            state = f"{_size(entry.size):>10}  crc32c {entry.crc32c}"
+            state = f"{fmt_size(entry.size):>10}  crc32c {entry.crc32c}"
         except TieredCkptError as exc:
             problems += 1
             state = f"BAD: {exc}"
@@ -661,26 +448,6 @@ def cmd_plot(args) -> int:
     from ._loop.plot import plot_run
     print(f"wrote {plot_run(args.run_dir, args.out)}")
     return 0
-
-
-def _ranks(ranks: list[int]) -> str:
-    return f"{ranks[0]}-{ranks[-1]}" if len(ranks) > 3 and ranks == list(range(ranks[0], ranks[-1] + 1)) else str(ranks)
-
-
-def _size(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if n < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return str(n)
-
-
-def _age(created: float) -> str:
-    seconds = max(0.0, time.time() - created)
-    for unit, length in (("d", 86400), ("h", 3600), ("m", 60)):
-        if seconds >= length:
-            return f"{seconds / length:.0f}{unit} ago"
-    return f"{seconds:.0f}s ago"
 
 
 if __name__ == "__main__":
