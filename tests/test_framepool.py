@@ -7,6 +7,7 @@ import torch
 
 from tieredckpt import CheckpointStore
 from tieredckpt._format.compare import first_difference
+from tieredckpt._tiers import download as download_module
 from tieredckpt._tiers import remote as remote_module
 from tieredckpt._tiers.framepool import FramePool
 from tieredckpt._tiers.local import LocalTier
@@ -110,7 +111,7 @@ def test_compressed_parts_download_through_reused_buffers_and_a_failed_one_is_le
         def give(self, buf):
             given.append(buf)
             super().give(buf)
-    monkeypatch.setattr(remote_module, "FramePool", Counting)
+    monkeypatch.setattr(download_module, "FramePool", Counting)
     local = tmp_path / "local" / "step_000005"
     manifest = save_sharded([_state()], local, 5)
     url = f"file://{tmp_path / 'remote'}"

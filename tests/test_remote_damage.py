@@ -100,3 +100,22 @@ def test_a_running_store_that_uploaded_the_step_sends_it_again_without_the_damag
         assert rel not in {upload.part_rel(p) for f in upload.files for p in f.parts}
     with CheckpointStore(tmp_path / "fresh", url, remote_options=opts, read_only=True) as fresh:
         assert torch.equal(fresh.restore(2)["frozen"], state(2)["frozen"])
+
+
+def test_an_idle_store_reads_a_steps_objects_back_once_not_at_every_audit(tmp_path, proxied):
+    """The damage check reads objects back (up to 16 MB): at every audit (each minute by default)
+    that would be gigabytes a day from a run that only waits. A step is checked at its first
+    audit; later audits look at its marker alone, until DAMAGE_EVERY audits have passed."""
+    from tieredckpt._tiers.uploadkeeping import DAMAGE_EVERY
+    audit = 0.05
+    with CheckpointStore(tmp_path / "run", proxied.url, remote_options=proxied.options, compression=None,
+                         audit_interval=audit) as store:
+        store.save(1, state(1)).wait()
+        assert store.wait(uploads=True, timeout=60)
+        parts = len(proxied.remote().upload_manifest(1).objects())
+        proxied.proxy.reset_counts()
+        time.sleep(audit * DAMAGE_EVERY * 0.5)  # about 30 audits, none of them due a damage check but the first
+        reads = len(proxied.proxy.requests("GET", contains="/run/objects/"))
+        markers = len(proxied.proxy.requests(contains="/run/step_000001/upload.json"))
+    assert reads <= parts, (reads, parts)  # one check's sample at most, never one per audit
+    assert markers >= 10, markers  # the audits did run, looking at the marker each time

@@ -22,7 +22,9 @@ _NOT_FOUND_CODES = {"NoSuchBucket", "NoSuchKey", "NotFound", "404"}
 _DENIED_CODES = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken",
                  "TokenRefreshRequired", "Forbidden", "403", "AllAccessDisabled", "AccountProblem",
                  "InvalidSecurity", "RequestTimeTooSkewed", "AuthorizationHeaderMalformed"}
-_CONDITION_CODES = {"PreconditionFailed", "412", "ConditionalRequestConflict"}
+_CONDITION_CODES = {"PreconditionFailed", "412"}
+# 409: another conditional write on the key was in flight; nothing was decided, so it is retried
+_CONFLICT_CODES = {"ConditionalRequestConflict", "409"}
 _TRANSIENT_CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestThrottled", "RequestTimeout",
                     "ServiceUnavailable", "InternalError", "OperationAborted", "ConditionalRequestConflict",
                     "BadDigest", "XAmzContentSHA256Mismatch", "IncompleteBody"}
@@ -35,8 +37,7 @@ _UNREACHABLE = ("EndpointConnectionError", "ConnectTimeoutError", "ReadTimeoutEr
 _NOT_FOUND = re.compile(r"\bNoSuchBucket\b")
 _DENIED = re.compile(r"\b(AccessDenied|InvalidAccessKeyId|SignatureDoesNotMatch|ExpiredToken|"
                      r"InvalidToken|TokenRefreshRequired|Forbidden)\b")
-CONDITION_FAILED = re.compile(r"pre-?condition|PreconditionFailed|FileExistsError|\b412\b|"
-                               r"ConditionalRequestConflict", re.IGNORECASE)
+CONDITION_FAILED = re.compile(r"pre-?condition|PreconditionFailed|FileExistsError|\b412\b", re.IGNORECASE)
 _TRANSIENT_TEXT = re.compile(r"\b(5\d\d|SlowDown|Throttl|RequestTimeout|ServiceUnavailable|InternalError|"
                              r"Connect|Timeout|reset|Broken pipe|EOF|temporar|Disconnected|Payload)", re.IGNORECASE)
 
@@ -75,6 +76,11 @@ def condition_failed(err: RemoteError) -> bool:
     if err.code is not None or err.status is not None:
         return err.code in _CONDITION_CODES or err.status == 412
     return bool(CONDITION_FAILED.search(str(err)))
+
+
+def condition_conflict(err: RemoteError) -> bool:
+    """True when a conditional write met another in flight on its key (409): it decided nothing."""
+    return err.code in _CONFLICT_CODES or (err.code is None and err.status == 409)
 
 
 def map_error(exc: BaseException, what: str, where: str, scrub: Callable[[str], str],

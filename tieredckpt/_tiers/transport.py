@@ -19,7 +19,7 @@ Owns these things and nothing else:
 - keeping credentials out of every message: URLs without ``user:pass@``, and
   option values that look like secrets replaced by ``***``; and keeping aiohttp's
   orphaned body writers' tracebacks off the user's terminal during an outage
-  (``_quiet_orphaned_body_writers``);
+  (quietloop.py);
 - sending upload parts to S3 from the caller's buffer (s3body.py) with the crc32c we
   computed anyway as the request's ``x-amz-checksum-crc32c``: S3 checks the bytes it
   stores against the checksum of the bytes we read, and botocore computes no CRC32 of
@@ -54,13 +54,15 @@ from fsspec.asyn import AsyncFileSystem
 from ..errors import RemoteAccessError, RemoteError, RemoteNotFoundError, TieredCkptError
 from . import diskcas
 from .credentials import redact_url, scrub, secret_values, url_secrets
-from .remoteerrors import condition_failed, is_transient, map_error
+from .quietloop import quiet_orphaned_body_writers
+from .remoteerrors import condition_conflict, condition_failed, is_transient, map_error
 from .s3body import PartBody
 
 REQUEST_TIMEOUT = 60.0  # seconds per request, plus one second per MB it moves
 _BYTES_PER_SECOND = 1_000_000
 _S3_DEFAULTS = {"connect_timeout": 5, "read_timeout": 30, "retries": {"max_attempts": 2, "mode": "standard"}}
 _STREAM_CHUNK = 1 << 20  # what get_stream hands its sink at a time
+_CONFLICT_PAUSES = (0.05, 0.1, 0.2, 0.4, 0.8)  # seconds between the sends of a write that met a 409
 _MAX_PUT = 5 << 30  # S3's limit for one PUT; s3fs sends larger bodies as a multipart upload
 log = logging.getLogger("tieredckpt.transport")
 
@@ -81,7 +83,7 @@ class Transport:
         self.request_timeout = request_timeout
         self._async = isinstance(fs, AsyncFileSystem) and not getattr(fs, "asynchronous", False)
         if self._async:
-            _quiet_orphaned_body_writers(fs.loop)
+            quiet_orphaned_body_writers(fs.loop)
         self._s3 = _is_s3(self.protocol) and hasattr(fs, "split_path")
         self._checksums = self._s3 and _sends_checksums(self.options)
         # set when the server was found to ignore or refuse If-None-Match/If-Match (condprobe.py)
@@ -281,18 +283,28 @@ class Transport:
         return True
 
     def _s3_put(self, rel: str, data: bytes, condition: dict) -> str | None:
+        """One PUT, conditional or not: its ETag, or None when its condition did not hold.
+
+        A 409 ConditionalRequestConflict (another conditional write on the key was in flight)
+        decided nothing: the same write is sent again after a short pause, and its condition
+        then holds or fails on its own (a create-only write the other one won answers 412)."""
         bucket, key, _ = self.fs.split_path(self.path(rel))
-        try:
-            out = self._call("call_s3", ("put_object",), f"write {rel}",
-                             kwargs={"Bucket": bucket, "Key": key, "Body": data, **condition}, nbytes=len(data))
-        except RemoteNotFoundError:
-            if "IfMatch" in condition:
-                return None  # gone: the condition failed
-            raise
-        except RemoteError as exc:
-            if condition_failed(exc):
-                return None
-            raise
+        for pause in (*_CONFLICT_PAUSES, None):
+            try:
+                out = self._call("call_s3", ("put_object",), f"write {rel}",
+                                 kwargs={"Bucket": bucket, "Key": key, "Body": data, **condition}, nbytes=len(data))
+                break
+            except RemoteNotFoundError:
+                if "IfMatch" in condition:
+                    return None  # gone: the condition failed
+                raise
+            except RemoteError as exc:
+                if condition and condition_conflict(exc) and pause is not None:
+                    time.sleep(pause)
+                    continue
+                if condition_failed(exc):
+                    return None
+                raise  # a conflict that outlasted the pauses is transient: the caller's retry takes it
         self.fs.invalidate_cache(self.path(rel))
         return out.get("ETag") or diskcas.digest(data)
 
@@ -493,8 +505,6 @@ class Transport:
         """Nothing to let go of: requests run on fsspec's loop or on daemon threads."""
 
 
-
-
 def _server_age(response: dict) -> float | None:
     """Seconds since an S3 object was written, by the server's clock alone (Date - Last-Modified)."""
     from email.utils import parsedate_to_datetime
@@ -506,8 +516,6 @@ def _server_age(response: dict) -> float | None:
         return max(0.0, parsedate_to_datetime(date).timestamp() - stamp())
     except (TypeError, ValueError):
         return None
-
-
 
 
 def _settle(future: Future, call: Callable[[], Any]) -> None:
@@ -525,34 +533,6 @@ def _settle(future: Future, call: Callable[[], Any]) -> None:
         future.set_result(result)
     except InvalidStateError:
         pass
-
-
-def _quiet_orphaned_body_writers(loop: asyncio.AbstractEventLoop) -> None:
-    """Keep aiohttp's orphaned body writers from printing tracebacks on the user's terminal.
-
-    When a connection is reset before a request's headers go out (a dead endpoint, a proxy
-    that resets), aiohttp's request fails -- and we retry it, or say why we gave up -- but the
-    task it started to write the body fails too, outside its own error handling, and nobody
-    awaits it: asyncio then logs "Task exception was never retrieved" with a traceback from
-    deep inside aiohttp, several per second of outage. Those go to debug logging; every other
-    report goes where it went (the loop's handler, which may be the user's). fsspec's loop is
-    shared by every async filesystem in the process; this touches only that one kind of report."""
-    previous = loop.get_exception_handler()
-    if getattr(previous, "_tieredckpt", False):
-        return
-
-    def handler(loop, context) -> None:
-        task, exc = context.get("future"), context.get("exception")
-        coro = task.get_coro() if isinstance(task, asyncio.Task) else None
-        if isinstance(exc, OSError) and getattr(coro, "__qualname__", "") == "ClientRequest.write_bytes":
-            log.debug("an abandoned request body failed to send: %r", exc)
-            return
-        if previous is not None:
-            previous(loop, context)
-        else:
-            loop.default_exception_handler(context)
-    handler._tieredckpt = True  # type: ignore[attr-defined]
-    loop.set_exception_handler(handler)
 
 
 def _is_s3(protocol: str) -> bool:
@@ -592,7 +572,3 @@ def _mtime(info: dict) -> float | None:
         if isinstance(value, (int, float)):
             return float(value)
     return None
-
-
-
-

@@ -70,6 +70,7 @@ class UploadState:
         self._believed: set[int] = set()  # uploaded, says the last status file (until the remote is read)
         self._scanned = False  # every remote step learnt, for retention
         self._confirmed: tuple[int, float] | None = None  # (newest uploaded step, when seen on the remote)
+        self._damage_checked: tuple[int, float] | None = None  # (step, when its objects last read back whole)
         self._last_error: dict | None = None
         self._failed_rounds = 0
         self._failed_cycle: set[int] = set()  # steps that failed since the last success or pause
