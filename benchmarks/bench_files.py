@@ -13,7 +13,9 @@ Measured per save, in the same run:
 
 Then, on the last folder, interleaved repeats each starting with a different method:
   cp -r + sync   a durable copy by hand
-  save_files     save_files(step, folder).wait(): hard links, fsync, crc32c, commit (durable)
+  save_files     the safe default: returns once every file is copied into the step (a reflink
+                 where the filesystem has them, else copy_file_range); .wait(): durable
+  link=True      hard links (for writers that never rewrite a file in place: the callback's mode)
 
     python benchmarks/bench_files.py [--repeats 3] [--layers 12]
 """
@@ -86,11 +88,11 @@ def cp_sync(src: Path, dst: Path) -> float:
     return time.perf_counter() - start
 
 
-def save_files(src: Path, run: Path, step: int) -> tuple[float, float]:
+def save_files(src: Path, run: Path, step: int, link: bool) -> tuple[float, float]:
     from tieredckpt import CheckpointStore
     with CheckpointStore(run, every=0) as store:
         start = time.perf_counter()
-        handle = store.save_files(step, src)
+        handle = store.save_files(step, src, link=link)
         linked = time.perf_counter() - start
         handle.wait()
         return linked, time.perf_counter() - start
@@ -114,17 +116,20 @@ def main() -> None:
         ratio = median(times["callback"]) / median(times["trainer save"])
         print(f"callback / trainer save: {ratio:.3f}x (target <= 0.1x)")
         subprocess.run(["sync"], check=True)
-        results = {"cp -r + sync": [], "save_files (linked)": [], "save_files (durable)": []}
+        results: dict[str, list[float]] = {name: [] for name in (
+            "cp -r + sync", "save_files returns (copied)", "save_files durable (copied)",
+            "save_files returns (link=True)", "save_files durable (link=True)")}
+        methods = ["cp", "copy", "link"]
         for r in range(args.repeats):
-            order = ["cp", "save"] if r % 2 == 0 else ["save", "cp"]
-            for method in order:
+            for method in methods[r % 3:] + methods[:r % 3]:  # each repeat starts with another
                 if method == "cp":
                     results["cp -r + sync"].append(cp_sync(folder, work / f"copy{r}"))
                     shutil.rmtree(work / f"copy{r}")
                 else:
-                    linked, durable = save_files(folder, work / f"run{r}", 1)
-                    results["save_files (linked)"].append(linked)
-                    results["save_files (durable)"].append(durable)
+                    mode = "copied" if method == "copy" else "link=True"
+                    returned, durable = save_files(folder, work / f"run{r}", 1, link=method == "link")
+                    results[f"save_files returns ({mode})"].append(returned)
+                    results[f"save_files durable ({mode})"].append(durable)
                     shutil.rmtree(work / f"run{r}")
                 subprocess.run(["sync"], check=True)
                 time.sleep(0.5)
@@ -132,9 +137,11 @@ def main() -> None:
         rows = [(name, f"{median(v):.3f}", f"{min(v):.3f}-{max(v):.3f}", f"{base / median(v):.1f}x")
                 for name, v in results.items()]
         print(table(rows, (f"a {size / 1e9:.2f} GB folder", "median s", "range s", "speed vs cp -r + sync")))
+        copy_ratio = median(results["save_files returns (copied)"]) / median(times["trainer save"])
+        print(f"the default's copy on the caller's thread / the Trainer's own save: {copy_ratio:.3f}x")
         if args.json:
             Path(args.json).write_text(json.dumps({"folder_bytes": size, "per_save": times, "folder": results,
-                                                   "callback_over_trainer_save": ratio}, indent=1))
+                                                   "callback_over_trainer_save": ratio, "copy_over_trainer_save": copy_ratio}, indent=1))
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -55,16 +55,16 @@ def test_a_folder_is_committed_as_a_step_and_later_changes_to_it_never_reach_the
     assert (tmp_path / "run" / "latest").read_text().strip() == "step_000005"
 
 
-def test_files_are_hard_linked_unless_told_to_copy(tmp_path):
+def test_files_are_copied_unless_told_to_link(tmp_path):
     src = tmp_path / "src"
     src.mkdir()
     make_folder(src)
     with CheckpointStore(tmp_path / "run") as store:
         store.save_files(1, src).wait()
-        store.save_files(2, src, link=False).wait()
+        store.save_files(2, src, link=True).wait()
     ino = (src / "model.safetensors").stat().st_ino
-    assert (tmp_path / "run/step_000001/files/model.safetensors").stat().st_ino == ino
-    assert (tmp_path / "run/step_000002/files/model.safetensors").stat().st_ino != ino
+    assert (tmp_path / "run/step_000001/files/model.safetensors").stat().st_ino != ino
+    assert (tmp_path / "run/step_000002/files/model.safetensors").stat().st_ino == ino
 
 
 def test_a_file_rewritten_in_place_through_its_link_is_named_at_the_next_save(tmp_path, caplog):
@@ -72,11 +72,11 @@ def test_a_file_rewritten_in_place_through_its_link_is_named_at_the_next_save(tm
     src.mkdir()
     make_folder(src)
     with CheckpointStore(tmp_path / "run") as store:
-        store.save_files(1, src).wait()
+        store.save_files(1, src, link=True).wait()
         (src / "optimizer.pt").write_bytes(b"rewritten in place")
-        store.save_files(2, src, link=False).wait()
+        store.save_files(2, src).wait()
         assert "optimizer.pt: was rewritten in place after it was saved" in caplog.text
-        assert "link=False" in caplog.text
+        assert "without link=True" in caplog.text
         with pytest.raises(Exception, match="crc32c"):  # step 1's copy is refused, never loaded
             store.restore_files(1, to=tmp_path / "back")
         (src / "optimizer.pt").write_bytes(b"again")  # step 2 was copied: it is not affected
@@ -135,8 +135,8 @@ def test_a_damaged_local_file_is_detected_and_the_remote_copy_restored(tmp_path,
     with CheckpointStore(tmp_path / "run", remote.url, remote_options=remote.options) as store:
         store.save_files(7, src).wait()
         assert store.wait(uploads=True)
-        # rewritten in place through the hard link, after the commit
-        with open(src / "model.safetensors", "r+b") as f:
+        # the step's own copy damaged on disk after the commit
+        with open(tmp_path / "run/step_000007/files/model.safetensors", "r+b") as f:
             f.seek(1234)
             f.write(b"\xff\x00")
         with pytest.warns(RuntimeWarning, match="from the remote copy"):
@@ -150,8 +150,8 @@ def test_a_damaged_folder_with_no_other_copy_is_refused_and_nothing_is_written(t
     src.mkdir()
     make_folder(src)
     with CheckpointStore(tmp_path / "run") as store:
-        store.save_files(7, src).wait()
-        with open(src / "optimizer.pt", "r+b") as f:
+        store.save_files(7, src, link=True).wait()
+        with open(src / "optimizer.pt", "r+b") as f:  # rewritten in place through the hard link
             f.write(b"!")
         with pytest.raises(Exception, match="crc32c"):
             store.restore_files(7, to=tmp_path / "back")

@@ -196,3 +196,52 @@ def test_the_jit_checkpoint_handler_is_taken_out_of_the_sigterm_chain(tmp_path):
     finally:
         trainer.callback_handler.on_train_end(args, state, control)
     assert signal.getsignal(signal.SIGTERM) == before
+
+
+def test_a_trainer_folder_left_half_written_is_set_aside_and_the_trainer_resumes_from_the_newest_committed_step(
+        tmp_path, caplog):
+    """A Trainer killed inside its save of checkpoint-15 left the model but no trainer_state.json:
+    resume_from_checkpoint=True would pick it and fail at every relaunch. The callback renames it
+    (never deletes) and the Trainer resumes from step 10, the newest committed."""
+    out = tmp_path / "out"
+    run(out, 10, [TieredCheckpointCallback()], save_total_limit=None)
+    half = out / "checkpoint-15"
+    shutil.copytree(out / "checkpoint-10", half)
+    (half / "trainer_state.json").unlink()
+    resumed, losses = run(out, 20, [TieredCheckpointCallback()], resume=True, save_total_limit=None)
+    assert resumed.state.global_step == 20 and sorted(losses) == list(range(11, 21)), sorted(losses)
+    aside = out / "checkpoint-15.incomplete"
+    assert aside.is_dir() and (aside / "model.safetensors").is_file()  # set aside, not deleted
+    assert "checkpoint-15: incomplete" in caplog.text and "checkpoint-15.incomplete" in caplog.text
+    with CheckpointStore(out / STORE_DIR, read_only=True) as store:
+        assert store.local.steps()[-2:] == [15, 20]  # the Trainer's own new checkpoint-15 was committed
+
+
+def test_accelerate_save_state_into_one_fixed_folder_twice_with_the_remote_down_keeps_both_steps(tmp_path, proxied):
+    """accelerate rewrites a fixed output_dir's files in place (same names, same inodes): both
+    committed steps stay what the folder held at their save, restorable from the local tier while
+    the remote is down; a fresh machine restores the newest once it is back."""
+    from accelerate import Accelerator
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    acc = Accelerator(cpu=True)
+    model, opt = acc.prepare(model, opt)
+    fixed, held = tmp_path / "ckpt", {}
+    with CheckpointStore(tmp_path / "run", proxied.url, remote_options=proxied.options, close_timeout=30) as store:
+        proxied.proxy.set("dead")
+        for step in (3, 5):
+            model(torch.randn(4, 64)).pow(2).mean().backward()
+            opt.step()
+            save_state(acc, store, step, output_dir=fixed)  # returns with the snapshot taken
+            held[step] = folder_files(fixed)
+        assert held[3] != held[5]
+        for step in (3, 5):
+            assert store.restore_files(step, to=tmp_path / f"back{step}") == step
+            assert folder_files(tmp_path / f"back{step}") == held[step]
+        proxied.proxy.clear()
+        assert store.wait(uploads=True, timeout=60)
+    with CheckpointStore(tmp_path / "fresh", proxied.url, remote_options=proxied.options) as fresh:
+        assert load_state(acc, fresh) == 5
+        assert fresh.restore_files(5, to=tmp_path / "fresh5") == 5
+        assert folder_files(tmp_path / "fresh5") == held[5]

@@ -96,7 +96,10 @@ def _parser() -> argparse.ArgumentParser:
     push_dir.add_argument("run_dir")
     push_dir.add_argument("step", type=int)
     push_dir.add_argument("dir", help="the folder: ordinary files in any tree (no symlinks, FIFOs, devices)")
-    push_dir.add_argument("--copy", action="store_true", help="copy the files instead of hard-linking them")
+    push_dir.add_argument("--link", action="store_true",
+                          help="hard-link the files instead of copying them: only for a folder whose files are "
+                               "never rewritten in place afterwards")
+    push_dir.add_argument("--copy", action="store_true", help=argparse.SUPPRESS)  # the default now; still accepted
     _remote_args(push_dir, "the remote (default: the one the run's store last used; none: local only)")
     _unfenced_arg(push_dir)
     push_dir.set_defaults(func=cmd_push_dir)
@@ -237,7 +240,7 @@ def cmd_push_dir(args) -> int:
     url = recorded_remote(args.run_dir, args)
     with CheckpointStore(args.run_dir, url, remote_options=remote_options(args, url), every=0,
                          allow_unfenced=args.allow_unfenced) as store:
-        manifest = store.save_files(args.step, args.dir, link=not args.copy).wait()
+        manifest = store.save_files(args.step, args.dir, link=args.link and not args.copy).wait()
         print(f"committed step {args.step} ({len(manifest.shards)} files, {fmt_size(manifest.total_size)}) "
               f"in {store.local.step_path(args.step)}")
         if store.remote is not None:

@@ -6,7 +6,8 @@
     trainer.train(resume_from_checkpoint=True)   # resumes on a fresh machine too
 
 Each ``checkpoint-N/`` the Trainer saves is committed as step N with
-``CheckpointStore.save_files`` (hard links: the Trainer's save is not copied) and
+``CheckpointStore.save_files`` (hard links, ``link=True``: the Trainer writes each
+checkpoint into a new folder and only deletes old ones, so its save is not copied) and
 uploaded in the background. When the Trainer is built on a machine whose
 ``output_dir`` lacks the newest step, the callback restores it into
 ``output_dir/checkpoint-N/`` right then (``on_init_end``), before ``train`` looks
@@ -69,6 +70,48 @@ def _restore_newest(store: CheckpointStore, output_dir: Path) -> Path | None:
     return target
 
 
+TRAINER_STATE = "trainer_state.json"  # the Trainer writes it last into checkpoint-N/
+
+
+def set_aside_incomplete(output_dir: Path, committed: int | None) -> list[Path]:
+    """Rename (never delete) every ``checkpoint-N/`` newer than the newest committed step whose
+    ``trainer_state.json`` is missing or not JSON: a Trainer killed inside its own save left it,
+    and ``resume_from_checkpoint=True`` would pick it (the highest N) and fail on it at every
+    relaunch. Set aside as ``checkpoint-N.incomplete`` (a name the Trainer never matches), the
+    Trainer resumes from the newest committed step instead. Returns the new names."""
+    moved = []
+    for folder in sorted(output_dir.glob("checkpoint-*")) if output_dir.is_dir() else []:
+        found = _CHECKPOINT.match(folder.name)
+        if not found or not folder.is_dir() or folder.is_symlink():
+            continue
+        if (committed is not None and int(found.group(1)) <= committed) or _trainer_state_ok(folder):
+            continue
+        aside = _free_name(folder.with_name(folder.name + ".incomplete"))
+        folder.rename(aside)
+        log.warning("%s: incomplete (no readable %s: the Trainer was stopped inside its save) and newer than every "
+                    "committed step; set aside as %s so that the Trainer resumes from the newest committed step",
+                    folder, TRAINER_STATE, aside.name)
+        moved.append(aside)
+    return moved
+
+
+def _trainer_state_ok(folder: Path) -> bool:
+    import json
+    try:
+        json.loads((folder / TRAINER_STATE).read_bytes())
+        return True
+    except (OSError, ValueError):
+        return False
+
+
+def _free_name(path: Path) -> Path:
+    candidate, n = path, 1
+    while candidate.exists():
+        n += 1
+        candidate = path.with_name(f"{path.name}-{n}")
+    return candidate
+
+
 def prepare_resume(output_dir: str | os.PathLike, remote: str | None = None, local: str | os.PathLike | None = None,
                    **store_options: Any) -> Path | None:
     """Bring the newest step of the run back into ``output_dir/checkpoint-N/`` (from the local
@@ -76,6 +119,7 @@ def prepare_resume(output_dir: str | os.PathLike, remote: str | None = None, loc
     callback does this by itself when the Trainer is built. Returns the folder, or None when
     no tier holds a step."""
     with _store(output_dir, remote, local, store_options) as store:
+        set_aside_incomplete(Path(output_dir), store.latest_step())
         return _restore_newest(store, Path(output_dir))
 
 
@@ -108,8 +152,10 @@ class TieredCheckpointCallback(TrainerCallback):
 
     def on_init_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         store = self._open(args)
-        if store is not None and self.restore:
-            _restore_newest(store, _output_dir(args))
+        if store is not None:
+            set_aside_incomplete(_output_dir(args), store.latest_step())
+            if self.restore:
+                _restore_newest(store, _output_dir(args))
         _barrier()
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
@@ -147,7 +193,7 @@ class TieredCheckpointCallback(TrainerCallback):
             return
         folder = _output_dir(args) / checkpoint_name(state.global_step)
         try:
-            self._handle = store.save_files(state.global_step, folder,
+            self._handle = store.save_files(state.global_step, folder, link=True,
                                             user={"hf": {"global_step": state.global_step, "folder": folder.name}})
         except CheckpointExistsError:
             log.warning("step %d is already committed in %s; this save of %s is not stored again",
@@ -215,7 +261,10 @@ def save_state(accelerator: Accelerator, store: CheckpointStore | None, step: in
                **save_kwargs: Any) -> SaveHandle | None:
     """``accelerator.save_state`` committed as ``step`` of ``store``; every process calls it, the
     main process passes its store (the others may pass None). Without ``output_dir`` and without
-    automatic checkpoint naming, the folder is a scratch directory the store's step replaces."""
+    automatic checkpoint naming, the folder is a scratch directory the store's step replaces
+    (hard-linked: nothing else writes there). A folder of the caller's, or accelerate's own
+    ``checkpoint_N``, is copied (reflinked where the filesystem can): accelerate rewrites a
+    fixed folder's files in place at the next save, and the committed step must not change."""
     naming = accelerator.project_configuration.automatic_checkpoint_naming
     scratch = None
     if output_dir is None and not naming:
@@ -226,7 +275,7 @@ def save_state(accelerator: Accelerator, store: CheckpointStore | None, step: in
     accelerator.wait_for_everyone()
     handle = None
     if accelerator.is_main_process and store is not None:
-        handle = store.save_files(step, where, user={ITERATION_KEY: iteration})
+        handle = store.save_files(step, where, user={ITERATION_KEY: iteration}, link=scratch is not None)
     accelerator.wait_for_everyone()
     if scratch is not None and accelerator.is_main_process:
         shutil.rmtree(scratch, ignore_errors=True)  # the step holds its own links to every file

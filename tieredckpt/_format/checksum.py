@@ -10,7 +10,6 @@ to :class:`StreamDigest` must not change until :meth:`StreamDigest.finish`.
 from __future__ import annotations
 
 import hashlib
-import mmap
 import os
 import queue
 import threading
@@ -61,7 +60,7 @@ def _gf2_square(mat: list[int]) -> list[int]:
     return [_gf2_times(mat, mat[n]) for n in range(32)]
 
 
-# Four threads on two cores: every crc32c pass here reads a mapped file, whose pages may have to
+# Four threads on two cores: a crc32c pass over a file reads pages that may have to
 # come from the disk first, and four threads keep twice the reads in flight. A cold 1.44 GB
 # shard: 0.48-0.50 s against 0.63-1.61 s with two threads; from the page cache 5-10 ms slower
 # (0.06 s either way).
@@ -183,20 +182,96 @@ def digest_buffer(buf, sha256: bool) -> Digest:
     return digest_view(byte_view(buf), sha256)
 
 
+class FileShrank(Exception):
+    """A file read by :func:`digest_fd` ended before the size it had when it was opened (it was
+    truncated or rewritten meanwhile); ``offset`` is where the read came up short."""
+
+    def __init__(self, offset: int) -> None:
+        super().__init__(offset)
+        self.offset = offset
+
+
 def digest_fd(fd: int, size: int, sha256: bool, stop: Callable[[], bool] | None = None) -> Digest:
-    """Digest of an open file, read through a read-only mapping (no copies, no torch)."""
-    if size == 0:
-        return digest_view(memoryview(b""), sha256)
-    with mmap.mmap(fd, size, prot=mmap.PROT_READ) as mapped:
-        view = memoryview(mapped)
+    """Digest of an open file's first ``size`` bytes, read with bounded ``pread``s.
+
+    Never a mapping: a file another process truncates under a mapped read kills the whole
+    process with SIGBUS (a framework rewriting a hard-linked folder step in place did, from the
+    sha256 fill). A read that comes up short raises :class:`FileShrank`, which the caller names.
+    Without sha256 the file's pieces are read and checksummed on READ_THREADS threads at once
+    (a cold file: more reads in flight); with it, sha256 runs on a thread of its own beside the
+    reads, two chunks ahead at most (bounded memory)."""
+    if not sha256:
+        return Digest(size, crc_hex(_crc_fd_parallel(fd, size, stop)), None)
+    sha = hashlib.sha256()
+    chunks: queue.Queue = queue.Queue(maxsize=2)
+    hasher = threading.Thread(target=_consume, args=(chunks, sha.update), name="tieredckpt-sha256", daemon=True)
+    hasher.start()
+    crc = 0
+    try:
+        for chunk in _pread_chunks(fd, 0, size, stop):
+            chunks.put(chunk)
+            crc = _crc32c.crc32c(chunk, crc)
+    finally:
+        chunks.put(None)
+        hasher.join()
+    return Digest(size, crc_hex(crc), sha.hexdigest())
+
+
+def _consume(chunks: queue.Queue, consume) -> None:
+    while (chunk := chunks.get()) is not None:
+        consume(chunk)
+
+
+def _pread_chunks(fd: int, start: int, end: int, stop: Callable[[], bool] | None):
+    """The bytes of ``[start, end)`` in CHUNK-sized reads; FileShrank where the file ends early,
+    DigestStopped when ``stop`` says so (asked before each chunk)."""
+    offset = start
+    while offset < end:
+        if stop is not None and stop():
+            raise DigestStopped
+        chunk = os.pread(fd, min(CHUNK, end - offset), offset)
+        if not chunk:
+            raise FileShrank(offset)
+        yield chunk
+        offset += len(chunk)
+
+
+def _crc_fd_parallel(fd: int, size: int, stop: Callable[[], bool] | None, min_split: int = 64 << 20) -> int:
+    """crc32c of a file's first ``size`` bytes, its pieces read and checksummed on READ_THREADS
+    threads at once (pread and crc32c both release the GIL)."""
+    def piece_crc(start: int, end: int) -> int:
+        crc = 0
+        for chunk in _pread_chunks(fd, start, end, stop):
+            crc = _crc32c.crc32c(chunk, crc)
+        return crc
+    if size < min_split:
+        return piece_crc(0, size)
+    step = -(-size // READ_THREADS)
+    bounds = [(i, min(i + step, size)) for i in range(0, size, step)]
+    results: list = [None] * len(bounds)
+
+    def work(i: int) -> None:
         try:
-            return digest_view(view, sha256, stop)
-        finally:
-            view.release()
+            results[i] = piece_crc(*bounds[i])
+        except BaseException as exc:  # noqa: BLE001 - raised on the caller's thread below
+            results[i] = exc
+    workers = [threading.Thread(target=work, args=(i,)) for i in range(1, len(bounds))]
+    for w in workers:
+        w.start()
+    work(0)
+    for w in workers:
+        w.join()
+    for value in results:
+        if isinstance(value, BaseException):
+            raise value
+    crc = results[0]
+    for (start, end), value in zip(bounds[1:], results[1:]):
+        crc = crc32c_combine(crc, value, end - start)
+    return crc
 
 
 def file_digest(path: str | os.PathLike, sha256: bool) -> Digest:
-    """Digest of a whole file, read through a mapping (no copies)."""
+    """Digest of a whole file (see digest_fd)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         return digest_fd(fd, os.fstat(fd).st_size, sha256)

@@ -56,11 +56,17 @@ class Checked:
             raise UnreadableFileError(f"{self.path}: cannot be mapped ({exc})") from None
 
     def digest(self, sha256: bool, stop=None):
-        """size, crc32c (and sha256) of the file, through a read-only mapping (no torch);
-        ``stop``: see checksum.digest_view."""
-        from .checksum import digest_fd
+        """size, crc32c (and sha256) of the file, read with bounded preads (never a mapping, so
+        a file truncated meanwhile is an error naming it, not a SIGBUS); ``stop``: see
+        checksum.digest_view."""
+        from .checksum import FileShrank, digest_fd
         self.sequential()
-        return digest_fd(self.fd, self.size, sha256, stop)
+        try:
+            return digest_fd(self.fd, self.size, sha256, stop)
+        except FileShrank as exc:
+            raise CorruptCheckpointError(f"{self.path}: shrank while being read (it held {self.size} bytes when "
+                                         f"opened, {exc.offset} now): truncated or rewritten in place by "
+                                         "another process") from None
 
     def sequential(self) -> None:
         """Tell the kernel the whole file is read front to back: a larger readahead window.

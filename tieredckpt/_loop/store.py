@@ -261,19 +261,25 @@ class CheckpointStore(AbstractContextManager):
         return saving.commit_unstaged(self, step, state, user)
 
     def save_files(self, step: int, directory: str | os.PathLike, *, user: dict | None = None,
-                   link: bool = True) -> SaveHandle:
+                   link: bool = False) -> SaveHandle:
         """Commit a snapshot of the folder ``directory`` -- ordinary files in any tree, such as a
         framework's checkpoint folder -- as step ``step``, with everything a ``save`` gets: the
         atomic commit, ``latest``, rotation, upload, prefer-local restore (``restore_files``).
 
-        Returns once every file is hard-linked into the step's scratch (copied where no link can
-        be made, or with ``link=False``): from then on the folder may be changed or deleted. Its
-        files are fsynced, checksummed and committed in the background (``handle.wait()``).
-        Refused by name, with nothing saved: a symlink, FIFO, device or socket in the folder, a
-        file name that could leave the step, an empty folder. A file rewritten *in place* after
-        this returns would write through a hard link; use ``link=False`` for a folder whose files
-        are changed in place (frameworks write new files). One process only (``distributed=False``
-        in a multi-rank run: the rank that owns the folder saves it)."""
+        Returns once every file is copied into the step's scratch (a reflink where the
+        filesystem has them, else an in-kernel copy): the snapshot is frozen from then on, and
+        the folder may be rewritten in place, changed or deleted. Its files are fsynced,
+        checksummed and committed in the background (``handle.wait()``). Refused by name, with
+        nothing saved: a symlink, FIFO, device or socket in the folder, a file name that could
+        leave the step, an empty folder. One process only (``distributed=False`` in a
+        multi-rank run: the rank that owns the folder saves it).
+
+        ``link=True`` hard-links the files instead (no data copied), and requires of the
+        caller that no file of the folder is ever opened for writing again: write each
+        checkpoint into a new folder and only delete old ones (as the Hugging Face Trainer
+        does). A file rewritten in place would write through into the committed step; the
+        damage is found (a warning at the next save, the crc32c of every restore and upload),
+        but where no other tier holds that step it is lost."""
         return folders.save_files(self, step, Path(directory), user, link)
 
     def restore_files(self, step: int | None = None, *, to: str | os.PathLike) -> int | None:

@@ -3,7 +3,8 @@
     RUN_DIR/step_000500/
       manifest.json                  layout "files": shards[i] is file i (sorted by name),
                                      path "files/<name>", its size, crc32c and sha256
-      files/model.safetensors ...    hard links of the source's files (copies across filesystems)
+      files/model.safetensors ...    copies of the source's files (reflinks where the filesystem
+                                     has them); hard links with ``link=True``
 
 What a framework writes (a Hugging Face ``checkpoint-500/``, accelerate's
 ``checkpoint_3/``, DeepSpeed's per-rank files) becomes a step like any other: the
@@ -15,10 +16,11 @@ Order of a snapshot, and why a crash anywhere is safe:
   1. ``collect``: the source tree is walked without following anything; a
      symlink, FIFO, device or socket, a name that is not plain UTF-8 or that could
      leave the step, too many files: refused by name, before anything is made;
-  2. ``stage``: each file is hard-linked (``link`` without following; copied and
-     fsynced where no link can be made) into ``files/`` of a scratch sibling
-     ``step_000500.tmp-<pid>-<hex>/``. From here on the source may be deleted or
-     replaced (the Trainer's rotation): the step holds its own names of the data;
+  2. ``stage``: each file is copied (``_clone``: a reflink, else an in-kernel copy, else
+     reads and writes; the source opened without following) into ``files/`` of a scratch
+     sibling ``step_000500.tmp-<pid>-<hex>/``; with ``link=True``, hard-linked instead.
+     From here on the source may be changed in place, deleted or replaced: the step holds
+     its own copy (with links: its own names of the same inodes, see below);
   3. ``commit`` (the store's writer thread, off the training loop): each staged
      file is opened refusing symlinks and non-regular files, fsynced (a hard link
      shares the framework's unflushed pages), its size and crc32c recorded; the
@@ -27,11 +29,19 @@ A crash before the rename leaves only scratch with a dead pid (cleaned at the
 next start); after it the step is complete. sha256 is recorded after the commit,
 off the save's path, as for any step (sharded.fill_sha256).
 
-A hard link shares the source's inode: a framework that rewrote a file *in place*
-(open for writing on the same name, not a new file) would write through into the
-step. Frameworks write new files per checkpoint; the Hugging Face callback removes
-a folder before the Trainer saves over it; ``link=False`` copies instead; and
-every restore checks each file's crc32c, falling back to the remote copy.
+Why a copy by default: a hard link shares the source's inode, and frameworks that save
+into a fixed folder (accelerate's ``save_state("ckpt")``, ``torch.save`` or
+``safetensors.save_file`` over an existing file, DeepSpeed's ``latest``) truncate and
+rewrite that inode, writing through into the committed step, which is then lost where
+no other tier holds it. A copy is a snapshot nothing can change later. On a filesystem
+with reflinks (XFS, btrfs) it costs no data copy at all; on ext4 it is an in-kernel copy
+(``copy_file_range``) on the caller's thread: the snapshot is taken when ``stage``
+returns, whatever the caller does next. ``link=True`` is for writers known to write each
+checkpoint into a new folder and only ever delete old ones (the Hugging Face Trainer, which
+the callback links; it also removes a committed folder before the Trainer saves over it):
+no data copy, and a later rewrite in place is still caught (``written_through``, the
+crc32c of every restore and of every upload) but can cost that step. No read of a
+folder step's files ever maps them (a truncation under a mapping is SIGBUS).
 
 Restoring (``materialize``) copies each file out of a verified step into a
 scratch sibling of the target, checking its crc32c on the way (one read serves
@@ -118,7 +128,7 @@ def _check_name(source: Path, rel: str) -> None:
         raise UnreadableFileError(f"{source}: a file name holds a line break ({rel!r}); refused")
 
 
-def stage(source: str | os.PathLike, final: Path, link: bool = True, previous: Path | None = None) -> Staged:
+def stage(source: str | os.PathLike, final: Path, link: bool = False, previous: Path | None = None) -> Staged:
     """Steps 1 and 2 of the module docstring: the snapshot, in the caller's thread.
     ``previous``: the newest committed step's directory, checked for files the source shares
     with it by inode (see ``written_through``)."""
@@ -129,7 +139,7 @@ def stage(source: str | os.PathLike, final: Path, link: bool = True, previous: P
             log.warning("%s: was rewritten in place after it was saved as %s (they are one file, hard-linked),"
                         " so that step's local copy no longer matches its checksums; a restore falls back to "
                         "its remote copy or an older step. Save folders whose files are rewritten in place "
-                        "with link=False", source / name, previous / FILES_DIR / name)
+                        "without link=True", source / name, previous / FILES_DIR / name)
     final.parent.mkdir(parents=True, exist_ok=True)
     scratch = make_scratch_dir(final)
     copied = 0
@@ -139,7 +149,7 @@ def stage(source: str | os.PathLike, final: Path, link: bool = True, previous: P
                 target = scratch / FILES_DIR / rel
                 target.parent.mkdir(parents=True, exist_ok=True)
                 if not (link and _link(source / rel, target)):
-                    _copy(source / rel, target)
+                    _clone(source / rel, target)
                     copied += size
     except BaseException:
         shutil.rmtree(scratch, ignore_errors=True)
@@ -188,9 +198,50 @@ def _link(src: Path, dst: Path) -> bool:
         raise
 
 
-def _copy(src: Path, dst: Path) -> None:
+_FICLONE = 0x40049409  # linux/fs.h: _IOW(0x94, 9, int)
+
+
+def _clone(src: Path, dst: Path) -> None:
+    """A new file ``dst`` holding ``src``'s bytes (not yet fsynced: the commit does that): a
+    reflink (FICLONE) where the filesystem shares extents copy-on-write, else the kernel's
+    copy_file_range, else reads and writes. The source is opened refusing symlinks and
+    anything but a regular file; a file that changes size while copied is the caller's doing,
+    and what was read is what the step holds (its crc32c is taken from the copy)."""
     with open_checked(src.parent, src.name, _ANY_SIZE, "file") as f:
-        _copy_out(f, dst)
+        out = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            if not _reflink(f.fd, out):
+                _copy_range(f.fd, out, f.size)
+        finally:
+            os.close(out)
+
+
+def _reflink(src_fd: int, dst_fd: int) -> bool:
+    import fcntl
+    try:
+        fcntl.ioctl(dst_fd, _FICLONE, src_fd)
+        return True
+    except OSError:  # ext4, tmpfs, another filesystem: no reflinks here
+        return False
+
+
+def _copy_range(src_fd: int, dst_fd: int, size: int) -> None:
+    """copy_file_range until the source ends (the kernel copies; no bytes pass through us)."""
+    offset = 0
+    copy_range = getattr(os, "copy_file_range", None)
+    while copy_range is not None:
+        try:
+            n = copy_range(src_fd, dst_fd, max(size - offset, CHUNK), offset, offset)
+        except OSError as exc:
+            if exc.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP) or offset:
+                raise
+            break  # not offered between these two files: read and write
+        if n == 0:
+            return
+        offset += n
+    while chunk := os.pread(src_fd, CHUNK, offset):
+        write_all(dst_fd, chunk)
+        offset += len(chunk)
 
 
 def _copy_out(f, dst: Path) -> tuple[int, str]:

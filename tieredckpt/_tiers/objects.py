@@ -23,13 +23,14 @@ from collections.abc import Callable, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    import torch
+    pass
 
 from .._format import layout
 from .._format.uploadmanifest import PartEntry, UploadedFile
+from ..errors import CorruptCheckpointError
 
 ALONE = 1 << 20  # tensors at least this large get parts of their own
 
@@ -107,11 +108,11 @@ class Reuse:
     """For one upload: finds an object already holding a part's exact bytes.
 
     ``local_step(step)`` is the directory of a committed local step (None if there is none);
-    its shard is mapped read-only (privately, never written) to compare with."""
+    its file is read to compare with (partsource.open_source)."""
 
     def __init__(self, index: ObjectIndex, codec: str, local_step: Callable[[int], Path | None]) -> None:
         self.index, self.codec, self.local_step = index, codec, local_step
-        self._maps: dict[Path, torch.Tensor | None] = {}
+        self._maps: dict[Path, Any] = {}  # path -> partsource's source, or None
         self.compared = 0  # bytes compared (for the stats)
 
     def find(self, raw, offset: int, raw_crc32c: str) -> PartEntry | None:
@@ -133,17 +134,25 @@ class Reuse:
             return None
         path = directory / known.file
         if path not in self._maps:
-            self._maps[path] = _map_or_none(path)
-        mapped = self._maps[path]
+            self._maps[path] = _source_or_none(path, owned=not known.file.startswith(FOLDER_FILES))
+        source = self._maps[path]
         start = known.entry.offset
-        if mapped is None or start + n > mapped.numel():
+        if source is None or start + n > source.size:
             return None
-        return mapped[start:start + n]
+        try:
+            return source[start:start + n]
+        except (CorruptCheckpointError, OSError):  # shrank meanwhile: nothing to compare with
+            return None
 
 
-def _map_or_none(path: Path):
-    from .._format.checksum import map_file
+FOLDER_FILES = "files/"  # a folder step's files (folder.FILES_DIR): maybe a framework's hard links
+
+
+def _source_or_none(path: Path, owned: bool):
+    """Where to read a kept step's bytes from (partsource.py: a mapping of a shard the store
+    alone owns, preads of a folder step's file that a framework may truncate), or None."""
+    from .partsource import open_source
     try:
-        return map_file(path, path.stat().st_size)
+        return open_source(path, path.stat().st_size, owned)
     except (OSError, RuntimeError):  # rotated away meanwhile: nothing to compare with
         return None

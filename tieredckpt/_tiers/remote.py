@@ -46,7 +46,7 @@ from pathlib import Path
 
 from .._format import layout
 from .._format.atomic import atomic_write_bytes
-from .._format.checksum import crc32c_update, crc_hex, map_file
+from .._format.checksum import crc32c_update, crc_hex
 from .._format.lossfile import merge_loss
 from .._format.manifest import ShardManifest
 from .._format.shardheader import FLOAT_WIDTHS, tensor_spans
@@ -64,6 +64,7 @@ from .download import PartReader
 from .framepool import FramePool
 from .objects import Reuse, part_bounds
 from .onethread import one_thread
+from .partsource import SentCheck, open_source
 from .sharded import shard_path
 from .transport import REQUEST_TIMEOUT, Transport
 
@@ -254,7 +255,8 @@ class RemoteTier:
         typed = manifest.layout != "files"  # our shard files: their tensor index says where to cut
         return [UploadedFile(shard.path, shard.size,
                              self._upload_file(shard_path(local_dir, shard), shard.path, shard.size,
-                                               codec, level, done, progress, self._frames, typed, reuse))
+                                               codec, level, done, progress, self._frames, typed, reuse,
+                                               shard.crc32c))
                 for shard in shards]
 
     def commit_upload(self, manifest: ShardManifest, codec: str, files: list[UploadedFile],
@@ -332,11 +334,26 @@ class RemoteTier:
                                     f"or short on the remote (first: {missing[0][2]}); sending them again", missing)
 
     def _upload_file(self, path, name, size, codec, level, done, progress, frames,
-                     typed: bool = True, reuse: Reuse | None = None) -> list[PartEntry]:
+                     typed: bool = True, reuse: Reuse | None = None, expected: str = "") -> list[PartEntry]:
+        """Send one file's parts. A save() step's shard (``typed``) is the store's alone and is read
+        through a mapping; a folder step's file may be a framework's hard link and is read with
+        preads (partsource.py). Either way the parts' crc32c, chained, must give the manifest's
+        ``expected`` crc32c of the file, or the upload of this step fails by name."""
+        source = open_source(Path(path), size, owned=typed)
+        try:
+            parts = self._send_parts(source, path, name, size, codec, level, done, progress, frames, typed, reuse)
+        finally:
+            source.close()
+        check = SentCheck(Path(path), size, expected)
+        for part in parts:
+            check.add(part.raw_crc32c, part.raw_size)
+        check.verify()
+        return parts
+
+    def _send_parts(self, buf, path, name, size, codec, level, done, progress, frames, typed, reuse) -> list[PartEntry]:
         # torch: imported only when something is sent
         from .._format.codec import encode, frame_bound, runs_in
         from .._format.memview import byte_view
-        buf = map_file(path, size)
         tensors = tensor_spans(path) if typed else _safetensors_spans(path)
         spans = [(s, e, FLOAT_WIDTHS[d]) for s, e, d in tensors if d in FLOAT_WIDTHS] if codec == "zstd-dtype" else []
         parts: list[PartEntry] = []
