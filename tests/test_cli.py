@@ -123,3 +123,18 @@ def test_output_into_a_closed_pipe_ends_quietly(run):
     finally:
         os.close(write)
     assert done.returncode == 141 and done.stderr == "", done.stderr
+
+
+def test_remote_option_values_are_json_where_they_parse_and_secrets_stay_text():
+    import argparse
+
+    from tieredckpt._cli.remoteargs import remote_options
+    args = argparse.Namespace(endpoint_url="http://127.0.0.1:9", remote_option=[
+        "anon=false", "max_concurrency=8", 'config_kwargs={"retries": {"max_attempts": 3}}',
+        "default_cache_type=none", "secret=12345", "key=007", "version_aware=true"])
+    assert remote_options(args, "s3://b/r") == {
+        "anon": False, "max_concurrency": 8, "config_kwargs": {"retries": {"max_attempts": 3}},
+        "default_cache_type": "none", "secret": "12345", "key": "007", "version_aware": True,
+        "endpoint_url": "http://127.0.0.1:9"}
+    with pytest.raises(ValueError, match="expected KEY=VALUE"):
+        remote_options(argparse.Namespace(endpoint_url=None, remote_option=["=1"]), None)

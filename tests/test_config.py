@@ -88,3 +88,13 @@ def test_json_file_and_missing_section(tmp_path):
     assert StoreConfig.load(path).every == 7
     with pytest.raises(ValueError, match=r"no \[ckpt\] section"):
         StoreConfig.load(path, section="ckpt")
+
+
+@pytest.mark.parametrize("url", ["s3://bucket/run", "file:///data/x", "gs://b/r"])
+def test_a_url_given_as_the_local_run_directory_is_refused_saying_where_it_goes(tmp_path, monkeypatch, url):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=r"is a URL, but the first argument is the local run directory.*remote="):
+        CheckpointStore(url)
+    with pytest.raises(ValueError, match="a path on this machine"):
+        CheckpointStore(url, "s3://bucket/other")
+    assert list(tmp_path.iterdir()) == []  # no ./s3:/bucket/run made

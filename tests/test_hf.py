@@ -245,3 +245,29 @@ def test_accelerate_save_state_into_one_fixed_folder_twice_with_the_remote_down_
         assert load_state(acc, fresh) == 5
         assert fresh.restore_files(5, to=tmp_path / "fresh5") == 5
         assert folder_files(tmp_path / "fresh5") == held[5]
+
+
+def test_the_documented_snippet_runs_as_written_on_a_first_run_and_on_a_wiped_machine(tmp_path, moto_server):
+    """The integrations page's lines, as a user pastes them: a first run (no tier holds a step:
+    transformers' resume_from_checkpoint=True would raise), then the same script on a wiped
+    machine, which resumes from the remote."""
+    from hf_run import dataset
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+    url, options = bucket(moto_server), moto_server.options()
+
+    def script(max_steps: int):
+        torch.manual_seed(0)
+        model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=64, n_positions=16))
+        args = TrainingArguments(str(tmp_path / "out"), max_steps=max_steps, save_steps=5, use_cpu=True,
+                                 report_to=[], per_device_train_batch_size=4, disable_tqdm=True)
+        callback = TieredCheckpointCallback(remote=url, remote_options=options)
+        trainer = Trainer(model, args, train_dataset=dataset(), callbacks=[callback])
+        resumed_from = callback.resume_path()
+        trainer.train(resume_from_checkpoint=resumed_from)
+        return trainer, resumed_from
+    first, resumed_from = script(5)
+    assert first.state.global_step == 5 and resumed_from is None
+    shutil.rmtree(tmp_path / "out")  # a wiped machine
+    again, resumed_from = script(10)
+    assert resumed_from == str(tmp_path / "out" / "checkpoint-5") and again.state.global_step == 10
+    assert RemoteTier(url, options).steps()[-1] == 10

@@ -346,3 +346,21 @@ def test_a_dead_endpoint_prints_no_tracebacks_from_inside_aiohttp_and_other_loop
         gc.collect()
         time.sleep(0.3)
     assert any("never retrieved" in rec.getMessage() for rec in caplog.records)
+
+
+def test_ls_with_the_remote_down_lists_the_local_steps_warns_and_exits_0(tmp_path, proxied):
+    with CheckpointStore(tmp_path / "run", proxied.url, remote_options=proxied.options) as store:
+        store.save(1, state(1)).wait()
+        assert store.wait(uploads=True, timeout=60)
+    proxied.proxy.set("dead")
+    env = dict(os.environ, AWS_ACCESS_KEY_ID=CREDS["key"], AWS_SECRET_ACCESS_KEY=CREDS["secret"])
+    base = [sys.executable, "-m", "tieredckpt.cli", "ls", str(tmp_path / "run"), "--endpoint-url",
+            proxied.proxy.endpoint, "--remote-option", "connect_timeout=2"]
+    down = subprocess.run(base, capture_output=True, text=True, env=env, timeout=120)
+    assert down.returncode == 0, down.stdout + down.stderr
+    assert "the remote is unreachable now, so only the local steps are listed" in down.stderr
+    assert "Traceback" not in down.stderr
+    assert any(line.split()[:1] == ["1"] and "local" in line for line in down.stdout.splitlines()), down.stdout
+    skipped = subprocess.run(base + ["--local-only"], capture_output=True, text=True, env=env, timeout=60)
+    assert skipped.returncode == 0 and "unreachable" not in skipped.stderr, skipped.stderr
+    assert "remote s3://" not in skipped.stdout and "1 " in skipped.stdout  # the remote not even named

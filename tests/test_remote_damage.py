@@ -102,6 +102,33 @@ def test_a_running_store_that_uploaded_the_step_sends_it_again_without_the_damag
         assert torch.equal(fresh.restore(2)["frozen"], state(2)["frozen"])
 
 
+def test_an_object_found_damaged_is_never_named_again_by_a_later_step_while_a_kept_step_still_knows_it(
+        tmp_path, moto_server):
+    """Step 1 (kept, locally and remotely) names the same frozen-weights object as step 2. When
+    the audit finds that object damaged in step 2, step 1's entry for it must be forgotten too:
+    otherwise step 3, whose frozen bytes are the same and whose local step 1 compares equal,
+    would reference the damaged object and be committed as broken as step 2 was."""
+    moto_server.make_bucket("damaged-reuse")
+    url, opts = "s3://damaged-reuse/run", moto_server.options()
+    remote = RemoteTier(url, opts)
+    with CheckpointStore(tmp_path / "run", url, remote_options=opts, compression=None, uploads="all",
+                         audit_interval=3600) as store:  # no audit of its own: the test runs it
+        for step in (1, 2):
+            store.save(step, state(step)).wait()
+            assert store.wait(uploads=True, timeout=60)
+        rel = flip_shared_object(remote, 2)
+        index = store.uploader.index
+        assert any(k.entry.path == rel and k.step == 1 for known in index._by_key.values() for k in known)
+        assert store.uploader._replace_if_damaged(2)  # what the audit does when it finds the damage
+        assert not any(k.entry.path == rel for known in index._by_key.values() for k in known)
+        store.save(3, state(3)).wait()
+        assert store.wait(uploads=True, timeout=60)
+        assert rel not in remote.upload_manifest(3).objects()
+    assert remote.damage(3) == {}
+    with CheckpointStore(tmp_path / "fresh", url, remote_options=opts, read_only=True) as fresh:
+        assert torch.equal(fresh.restore(3)["frozen"], state(3)["frozen"])
+
+
 def test_an_idle_store_reads_a_steps_objects_back_once_not_at_every_audit(tmp_path, proxied):
     """The damage check reads objects back (up to 16 MB): at every audit (each minute by default)
     that would be gigabytes a day from a run that only waits. A step is checked at its first

@@ -76,6 +76,7 @@ def _parser() -> argparse.ArgumentParser:
     ls.add_argument("--stats", action="store_true",
                     help="also what checkpoints cost the loop: blocked share, save phases, upload lag")
     _remote_args(ls, "the run's remote (default: the one its store last used)")
+    ls.add_argument("--local-only", action="store_true", help="list the local steps only; the remote is not asked")
     ls.set_defaults(func=cmd_ls)
 
     restore = sub.add_parser("restore", help="bring a run back from its remote onto this machine")
@@ -160,7 +161,7 @@ def _remote_args(parser, url_help: str | None) -> None:
         parser.add_argument("--remote", help=url_help)
     parser.add_argument("--endpoint-url", help="S3-compatible endpoint (MinIO, moto, ...)")
     parser.add_argument("--remote-option", action="append", default=[], metavar="KEY=VALUE",
-                        help="an fsspec/s3fs option; repeatable")
+                        help="an fsspec/s3fs option; repeatable; VALUE is JSON where it parses (true, 8, {...})")
 
 
 def _unfenced_arg(parser) -> None:

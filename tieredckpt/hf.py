@@ -1,9 +1,9 @@
 """Hugging Face Trainer and accelerate on the tiers (``pip install tieredckpt[hf]``).
 
     from tieredckpt.hf import TieredCheckpointCallback
-    trainer = Trainer(model, args, train_dataset=data,
-                      callbacks=[TieredCheckpointCallback(remote="s3://bucket/runs/x")])
-    trainer.train(resume_from_checkpoint=True)   # resumes on a fresh machine too
+    callback = TieredCheckpointCallback(remote="s3://bucket/runs/x")
+    trainer = Trainer(model, args, train_dataset=data, callbacks=[callback])
+    trainer.train(resume_from_checkpoint=callback.resume_path())   # None on a first run; a fresh machine resumes
 
 Each ``checkpoint-N/`` the Trainer saves is committed as step N with
 ``CheckpointStore.save_files`` (hard links, ``link=True``: the Trainer writes each
@@ -142,6 +142,7 @@ class TieredCheckpointCallback(TrainerCallback):
         self.requests = Requests()
         self._signals = ExitStack()
         self._handle: SaveHandle | None = None
+        self._output: Path | None = None
 
     def _open(self, args) -> CheckpointStore | None:
         if not _is_main(args):
@@ -157,6 +158,17 @@ class TieredCheckpointCallback(TrainerCallback):
             if self.restore:
                 _restore_newest(store, _output_dir(args))
         _barrier()
+        self._output = _output_dir(args)
+
+    def resume_path(self) -> str | None:
+        """What to pass as ``trainer.train(resume_from_checkpoint=...)``: the newest
+        ``checkpoint-N/`` in ``output_dir`` once the Trainer is built (the callback brought the
+        newest step back there if it was missing), or None on a run's very first start, where
+        ``resume_from_checkpoint=True`` would raise transformers' "No valid checkpoint found"."""
+        if self._output is None:
+            raise RuntimeError("resume_path() is known once the Trainer is built with this callback")
+        from transformers.trainer_utils import get_last_checkpoint
+        return get_last_checkpoint(str(self._output)) if self._output.is_dir() else None
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         self._open(args)

@@ -17,7 +17,7 @@ def cmd_ls(args) -> int:
     """Newest first, a row printed as soon as it is known: the remote is listed once (its step
     directories, with a delimiter) and each shown step's upload manifest read as it is printed."""
     tier = LocalTier(args.run_dir, create=False)
-    remote, recorded = run_remote(tier, args)
+    remote, recorded = _remote_or_none(tier, args)
     local_steps = set(tier.steps())
     remote_dirs, problems = _remote_dirs(remote)
     steps = sorted(local_steps | set(remote_dirs), reverse=True)
@@ -43,6 +43,21 @@ def cmd_ls(args) -> int:
     if stale:
         print(f"({len(stale)} leftover temp entries from an interrupted save; removed at the next save)")
     return 1 if problems else 0
+
+
+def _remote_or_none(tier: LocalTier, args):
+    """The run's remote, or None with --local-only or when it cannot be reached (missing
+    credentials, a dead endpoint): the local steps are still listed, and a warning says why
+    the remote is not. An explicit problem of the local run is still an error."""
+    from .remoteargs import read_status
+    if getattr(args, "local_only", False):
+        return None, read_status(tier)
+    try:
+        return run_remote(tier, args)
+    except (TieredCkptError, OSError) as exc:
+        print(f"warning: the remote is unreachable now, so only the local steps are listed ({exc}); "
+              "--local-only skips it", file=sys.stderr)
+        return None, read_status(tier)
 
 
 def _remote_dirs(remote) -> tuple[list[int], int]:

@@ -10,16 +10,30 @@ from .._tiers.local import LocalTier
 
 
 def remote_options(args, url: str | None) -> dict:
-    """--remote-option KEY=VALUE items and --endpoint-url (an S3 remote's), as fsspec options."""
+    """--remote-option KEY=VALUE items and --endpoint-url (an S3 remote's), as fsspec options.
+    A VALUE that parses as JSON is taken as that (``anon=true``, ``max_concurrency=8``,
+    ``config_kwargs={"retries": {"max_attempts": 3}}``); any other is the string as given, and
+    credentials and names are always strings."""
     options = {}
     for item in args.remote_option:
         key, sep, value = item.partition("=")
-        if not sep:
+        if not sep or not key:
             raise ValueError(f"--remote-option {item!r}: expected KEY=VALUE")
-        options[key] = value
+        options[key] = value if key in _TEXT_OPTIONS else option_value(value)
     if args.endpoint_url and url and url.startswith("s3://"):
         options["endpoint_url"] = args.endpoint_url
     return options
+
+
+_TEXT_OPTIONS = {"key", "secret", "token", "endpoint_url", "profile", "region_name"}  # a digits-only secret stays text
+
+
+def option_value(text: str):
+    """``true``/``false``/``null``, numbers, lists and objects as JSON; anything else, the text."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 
 
 def recorded_remote(run_dir, args) -> str | None:

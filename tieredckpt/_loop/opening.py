@@ -7,6 +7,7 @@ step that fails on one rank fails on every rank (``agree``)."""
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -28,6 +29,18 @@ log = logging.getLogger("tieredckpt")
 
 def _seconds(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0
+
+
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+def check_local(local: object, remote: object) -> None:
+    """A URL where the local run directory belongs is refused (it would be made into a local
+    directory named ``s3:/bucket/...`` and no remote opened), saying where the URL goes."""
+    if isinstance(local, str) and _URL.match(local):
+        hint = f"CheckpointStore('runs/x', remote={local!r})" if not remote else "a path on this machine"
+        raise ValueError(f"local={local!r} is a URL, but the first argument is the local run directory, a path on "
+                         f"this machine; a remote URL goes in remote= (for example {hint})")
 
 
 def check_options(compression: str | None, compression_level: int, keep_local: int, every: int, verify: str,

@@ -140,6 +140,7 @@ class CheckpointStore(AbstractContextManager):
         a crash cut short) are deleted by this store, the remote's writer, once they are this many
         seconds old; it looks after an upload commits, at most once per that interval (default an
         hour). None leaves them to ``tieredckpt gc``."""
+        opening.check_local(local, remote)
         opening.check_options(compression, compression_level, keep_local, every, verify, uploads, exit_timeout,
                               upload_on_exit, on_save_error, orphan_grace, stall_budget)
         self.read_only = read_only
