@@ -98,3 +98,24 @@ def test_a_url_given_as_the_local_run_directory_is_refused_saying_where_it_goes(
     with pytest.raises(ValueError, match="a path on this machine"):
         CheckpointStore(url, "s3://bucket/other")
     assert list(tmp_path.iterdir()) == []  # no ./s3:/bucket/run made
+
+
+def test_storage_options_and_fs_are_fsspec_names_for_remote_options_and_remote_fs(tmp_path):
+    remote = f"file://{tmp_path / 'remote'}"
+    with CheckpointStore(tmp_path / "a", remote, storage_options={"auto_mkdir": True}) as store:
+        store.save(1, {"w": torch.ones(3)}).wait()
+        assert store.wait(uploads=True, timeout=30)
+    from conftest import FlakyFS
+
+    from tieredckpt._tiers.remote import RemoteTier
+    other = f"file://{tmp_path / 'other'}"
+    counted = FlakyFS(RemoteTier(other, {}).fs, {})  # counts its pipe_file and cat_file calls
+    with CheckpointStore(tmp_path / "b", other, fs=counted) as store:
+        store.save(1, {"w": torch.ones(3)}).wait()
+        assert store.wait(uploads=True, timeout=30)
+    assert counted.calls.get("pipe_file", 0) > 0  # the instance given was the one used
+    memfs = counted
+    with pytest.raises(ValueError, match="same option under two names"):
+        CheckpointStore(tmp_path / "c", remote, storage_options={}, remote_options={})
+    with pytest.raises(ValueError, match=r"needs remote="):
+        CheckpointStore(tmp_path / "d", fs=memfs)

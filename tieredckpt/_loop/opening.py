@@ -43,6 +43,14 @@ def check_local(local: object, remote: object) -> None:
                          f"this machine; a remote URL goes in remote= (for example {hint})")
 
 
+def alias(name: str, value: object, old: str, old_value: object):
+    """One option under its fsspec name (``storage_options=``, ``fs=``) or ours (``remote_options=``,
+    ``remote_fs=``); both at once is refused, since one would be silently dropped."""
+    if value is not None and old_value is not None:
+        raise ValueError(f"{name}= and {old}= are the same option under two names; give one")
+    return value if value is not None else old_value
+
+
 def check_options(compression: str | None, compression_level: int, keep_local: int, every: int, verify: str,
                   uploads: str, exit_timeout: float, upload_on_exit: float, on_save_error: str, orphan_grace: float | None,
                   stall_budget: float) -> None:

@@ -96,9 +96,12 @@ class CheckpointStore(AbstractContextManager):
                  read_only: bool = False, takeover: bool = False, allow_unfenced: bool = False, remote_fs: AbstractFileSystem | None = None,
                  distributed: bool | None = None, stall_budget: float = 0.02,
                  on_stats: Callable[[dict], None] | None = None, overlap: bool = False,
-                 orphan_grace: float | None = 3600.0) -> None:
+                 orphan_grace: float | None = 3600.0, storage_options: dict | None = None,
+                 fs: AbstractFileSystem | None = None) -> None:
         """``local``: the run directory. ``remote``: any fsspec URL (s3://bucket/prefix,
-        file:///mnt/nas/run, memory://...), with ``remote_options`` passed to fsspec/s3fs.
+        file:///mnt/nas/run, memory://...), with ``remote_options`` passed to fsspec/s3fs
+        (``storage_options`` is the same, under fsspec's name; ``fs``/``remote_fs``: an fsspec
+        filesystem instance to use for the remote instead of one made from the URL).
         ``compression``: "zstd-dtype" (float-aware by each tensor's dtype, default),
         "zstd-planes" (fp32 planes for every byte, the earlier default), "zstd" or None for uploads.
         ``uploads``: "newest" (default: when uploads lag, only the newest waiting step is sent;
@@ -141,6 +144,11 @@ class CheckpointStore(AbstractContextManager):
         seconds old; it looks after an upload commits, at most once per that interval (default an
         hour). None leaves them to ``tieredckpt gc``."""
         opening.check_local(local, remote)
+        remote_options = opening.alias("storage_options", storage_options, "remote_options", remote_options)
+        remote_fs = opening.alias("fs", fs, "remote_fs", remote_fs)
+        if remote_fs is not None and not remote:
+            raise ValueError("fs= (remote_fs=) is the remote's filesystem and needs remote= (its URL); "
+                             "without a remote it would be ignored")
         opening.check_options(compression, compression_level, keep_local, every, verify, uploads, exit_timeout,
                               upload_on_exit, on_save_error, orphan_grace, stall_budget)
         self.read_only = read_only
