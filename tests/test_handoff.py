@@ -134,6 +134,9 @@ def test_a_copy_that_fails_midway_raises_from_save_and_commits_nothing(tmp_path,
             store.save(1, state).wait()
         monkeypatch.setattr(Handoff, "_copy", lambda self, k: failing(self._buffers[self.parts[k][0]], self._sources[self.parts[k][0]]))
         monkeypatch.setattr(torch.Tensor, "copy_", failing)
+        import tieredckpt._loop.handoff as handoff_module  # the batched copy of reused buffers, pair by pair
+        monkeypatch.setattr(handoff_module, "_FOREACH_COPY",
+                            lambda dsts, srcs: [failing(d, s) for d, s in zip(dsts, srcs)])
         with pytest.raises(RuntimeError, match="the copy broke"):
             store.save(2, state)
         monkeypatch.undo()

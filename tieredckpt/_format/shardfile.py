@@ -34,6 +34,7 @@ from . import tree
 from .atomic import write_all
 from .checksum import CHUNK, Digest, StreamDigest, crc32c_update, crc_hex, digest_buffer
 from .directwrite import MIN_DIRECT, enable_direct, write_direct
+from .gcpause import gc_paused
 from .memview import byte_view
 from .phases import phase
 from .safefile import open_checked
@@ -69,15 +70,20 @@ def write_shard(path: str | os.PathLike, state: Any, *, sha256: bool = True) -> 
     return write_flattened(path, skeleton, tensors, names, sha256=sha256)
 
 
-def write_order(skeleton, tensors: list[torch.Tensor]) -> list[int]:
+def write_order(skeleton, tensors: list[torch.Tensor], pieces: set | None = None) -> list[int]:
     """The order tensors are laid out in a shard.
 
     Largest item size first keeps every tensor aligned. A state with DTensor pieces is read
     piece by piece when resharded (no rank reads whole shards it does not need): its plain
     tensors (step counts, RNG), which every restoring rank reads, come first, next to the header.
     """
-    pieces = _piece_tensors(skeleton)
-    return sorted(range(len(tensors)), key=lambda i: (i in pieces, -tensors[i].element_size()))
+    pieces = _piece_tensors(skeleton) if pieces is None else pieces
+    widths = [t.element_size() for t in tensors]
+    order = []
+    for piece in (False, True):  # a stable sort by (piece?, -width), in comprehensions: no key call per tensor
+        for width in sorted(set(widths), reverse=True):
+            order += [i for i, w in enumerate(widths) if w == width and (i in pieces) is piece]
+    return order
 
 
 def _piece_tensors(skeleton) -> set:
@@ -85,18 +91,26 @@ def _piece_tensors(skeleton) -> set:
 
 
 def write_flattened(path, skeleton, tensors: list[torch.Tensor], names: list[str], *,
-                    sha256: bool = True, handoff=None) -> Digest:
+                    sha256: bool = True, handoff=None, pieces: set | None = None) -> Digest:
     """Write already-flattened state (see :func:`tree.flatten`) in one streaming pass.
 
     ``handoff`` (the store's staging copy, still running: _loop/handoff.py) gives the tensors'
-    bytes in the order written, each part once it is there."""
+    bytes in the order written, each part once it is there. The cyclic garbage collector
+    waits meanwhile (gcpause.py: the views and header entries, a few per tensor, are no
+    cycles, and collections walking the whole process cost a 100,000-tensor write seconds)."""
+    with gc_paused():
+        return _write_flattened(path, skeleton, tensors, names, sha256, handoff, pieces)
+
+
+def _write_flattened(path, skeleton, tensors, names, sha256, handoff, pieces) -> Digest:
+    pieces = _piece_tensors(skeleton) if pieces is None else pieces
     arrays = [_as_bytes(t, name) for t, name in zip(tensors, names)]  # checked, not yet read
-    order = write_order(skeleton, tensors)
+    order = write_order(skeleton, tensors, pieces)
     # With DTensor pieces each tensor carries a crc32c per CRC_BLOCK of its bytes, so a rank
     # that needs part of a piece reads and verifies only the blocks that part lies in -- one more
     # pass over the bytes, on the writer thread, before the header that records them.
     crcs = None
-    if _piece_tensors(skeleton):
+    if pieces:
         if handoff is not None:
             handoff.wait_copied()
         crcs = [block_crcs(a) for a in arrays]

@@ -45,6 +45,7 @@ class Staged:
     tensors: list[torch.Tensor]
     names: list[str]
     handoff: Any = None
+    pieces: set[int] | None = None  # the tensors that are DTensor pieces, where the walk said (None: unknown)
 
     @property
     def nbytes(self) -> int:
@@ -53,10 +54,18 @@ class Staged:
 
 def flatten(state: Any) -> tuple[Any, list[torch.Tensor], list[str]]:
     """Split ``state`` into a JSON skeleton, its tensors, and a readable name per tensor."""
+    skeleton, tensors, names, _ = flatten_with_pieces(state)
+    return skeleton, tensors, names
+
+
+def flatten_with_pieces(state: Any) -> tuple[Any, list[torch.Tensor], list[str], set[int]]:
+    """:func:`flatten`, and the indices of the tensors that are DTensor pieces (known from the
+    walk: finding them again in the skeleton costs a second walk of it, 5 us a tensor)."""
     flat = _Flattener()
     skeleton = flat.walk(state, ())
     flat.make_views()
-    return skeleton, flat.tensors, flat.names
+    pieces = {n["t"] for n in flat.piece_nodes if n.get("t") is not None}
+    return skeleton, flat.tensors, flat.names, pieces
 
 
 class _Flattener:
@@ -69,10 +78,11 @@ class _Flattener:
         self.used: set[str] = set()
         self.aliases: dict[tuple, int] = {}  # the same view of the same storage -> its index
         self.nodes: list[list[dict]] = []  # per tensor, the skeleton nodes naming it
-        self.storages: dict[tuple, list[int]] = {}  # (device, storage address, dtype) -> its tensors
+        self.storages: dict[tuple, list[int]] = {}  # (device or None, storage address, dtype) -> its tensors
+        self.piece_nodes: list[dict] = []  # the DTensor piece nodes met (their "t" is renumbered with the rest)
 
     def name_for(self, path: tuple) -> str:
-        base = "/".join(str(p) for p in path) or "tensor"
+        base = "/".join(map(str, path)) or "tensor"
         name, n = base, 1
         while name in self.used:
             name, n = f"{base}#{n}", n + 1
@@ -82,9 +92,12 @@ class _Flattener:
     def walk(self, obj: Any, path: tuple) -> Any:
         if len(path) > _MAX_DEPTH:
             raise UnsupportedStateError(f"state nested deeper than {_MAX_DEPTH} levels at {_where(path)}")
+        if type(obj) is torch.Tensor:  # the common leaf first: exactly a Tensor is no DTensor
+            return self.tensor_node(obj, path)
         if is_dtensor(obj) or isinstance(obj, Chunk):  # before Tensor: a DTensor is one
             local, node = describe(obj, _where(path))
             node["t"] = None
+            self.piece_nodes.append(node)
             if local is not None:  # a piece is never a view: it stays a tensor of its own
                 self.tensors.append(local)
                 self.names.append(self.name_for(path))
@@ -92,10 +105,7 @@ class _Flattener:
                 node["t"] = len(self.tensors) - 1
             return {PIECE_TAG: node}
         if isinstance(obj, torch.Tensor):
-            index = self.tensor(obj, path)
-            node = {"@t": index}
-            self.nodes[index].append(node)  # make_views may turn it into a view of another tensor
-            return node
+            return self.tensor_node(obj, path)
         if isinstance(obj, _SCALARS):
             return _check_scalar(obj)
         if isinstance(obj, dict):
@@ -113,6 +123,12 @@ class _Flattener:
             "(convert it, e.g. numpy arrays with torch.from_numpy)"
         )
 
+    def tensor_node(self, t: torch.Tensor, path: tuple) -> dict:
+        index = self.tensor(t, path)
+        node = {"@t": index}
+        self.nodes[index].append(node)  # make_views may turn it into a view of another tensor
+        return node
+
     def tensor(self, t: torch.Tensor, path: tuple) -> int:
         """The index ``t`` is stored under: a tensor seen before (tied weights) keeps its own."""
         key = _alias_key(t)
@@ -124,7 +140,7 @@ class _Flattener:
         index = len(self.tensors) - 1
         if key is not None:
             self.aliases[key] = index
-            self.storages.setdefault((key[0], key[1], key[2], t.dtype), []).append(index)
+            self.storages.setdefault((key[0], key[1], t.dtype), []).append(index)
         return index
 
     def make_views(self) -> None:
@@ -169,13 +185,18 @@ OnPiece = Callable[[tuple, dict], Any]
 def _alias_key(t: torch.Tensor) -> tuple | None:
     """What makes two tensors the same bytes: one storage, viewed at the same offset with the
     same shape, strides and dtype (a state dict's tied weights are such pairs). None where a
-    storage has no address to compare (empty, meta)."""
-    if t.layout != torch.strided or t.device.type == "meta" or t.numel() == 0:
+    storage has no address to compare (empty, meta). Called once per tensor of every save:
+    its attribute reads are the cheap ones (``t.device`` makes an object, so a CPU tensor's
+    place in the key is None)."""
+    if t.layout is not _STRIDED or t.is_meta or t.numel() == 0:
         return None  # sparse and other layouts have no one storage (and are refused later, by name)
     ptr = t.untyped_storage().data_ptr()
     if ptr == 0:
         return None
-    return (t.device.type, t.device.index, ptr, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+    return (None if t.is_cpu else t.device, ptr, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+
+
+_STRIDED = torch.strided
 
 
 def _covers_storage(t: torch.Tensor) -> bool:

@@ -13,6 +13,7 @@ from concurrent.futures import wait as futures_wait
 from typing import Any
 
 from .._format import layout, tree
+from .._format.gcpause import gc_paused
 from .._format.manifest import ShardManifest
 from .._format.phases import collecting
 from .._format.tree import Staged
@@ -36,7 +37,13 @@ def save(s: StoreParts, step: int, state: Any, user: dict | None,
     s.requests.clear_save()  # a signal from now on asks for another save
     staging = time.monotonic()
     defer = s._hold.owned(state) if (s.overlap if overlap is None else overlap) else set()
-    snapshot = s._stager.stage_split(state, defer)
+    with gc_paused():  # a few objects per tensor, no cycles: no collection while the loop waits
+        snapshot = s._stager.stage_split(state, defer)
+        return _start_write(s, step, snapshot, defer, user, param_span, entered, staging)
+
+
+def _start_write(s: StoreParts, step: int, snapshot, defer: set, user, param_span, entered: float,
+                 staging: float) -> SaveHandle:
     cost = {"blocked_s": 0.0, "staging_s": 0.0}
     # The writer starts before the copy and writes each part as it is copied (staging.Snapshot):
     # the previous write is finished (ready_for), so the buffers are ours. A copy that fails

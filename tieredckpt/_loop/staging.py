@@ -46,28 +46,27 @@ class Stager:
         yet copied: ``copy_now`` copies every tensor whose storage is not in ``defer`` (data
         pointers), ``copy_rest`` the deferred rest. Its ``staged`` may be handed to the writer
         before either runs (see handoff.py)."""
-        skeleton, tensors, names = tree.flatten(to_state_dict(state))
-        reused = [self._reusable(i, t) for i, t in enumerate(tensors)]
-        buffers = [self._buffer(i, t) for i, t in enumerate(tensors)]
-        del self._buffers[len(tensors):]
-        order = write_order(skeleton, tensors)  # the order the writer reads them in
-        later = {i for i in order if tensors[i].untyped_storage().data_ptr() in defer} if defer else set()
-        fresh = {i for i, old in enumerate(reused) if not old}
-        return Snapshot(skeleton, tensors, buffers, names, order, later, fresh)
+        skeleton, tensors, names, pieces = tree.flatten_with_pieces(to_state_dict(state))
+        fresh = self._fit_buffers(tensors)
+        order = write_order(skeleton, tensors, pieces)  # the order the writer reads them in
+        later = {i for i in order if _storage(tensors[i]) in defer} if defer else set()
+        return Snapshot(skeleton, tensors, list(self._buffers), names, order, later, fresh, pieces)
 
-    def _reusable(self, i: int, t: torch.Tensor) -> bool:
-        return i < len(self._buffers) and self._buffers[i].shape == t.shape and self._buffers[i].dtype == t.dtype
-
-    def _buffer(self, i: int, t: torch.Tensor) -> torch.Tensor:
-        if self._reusable(i, t):
-            return self._buffers[i]
-        buf = torch.empty(t.shape, dtype=t.dtype, device="cpu",
-                          pin_memory=self._pin and t.device.type == "cuda")
-        if i < len(self._buffers):
-            self._buffers[i] = buf
-        else:
-            self._buffers.append(buf)
-        return buf
+    def _fit_buffers(self, tensors: list[torch.Tensor]) -> set[int]:
+        """One buffer per tensor, the last save's where its shape and dtype still fit; the
+        indices of those made new. One pass, one comparison per tensor (a state of 100,000
+        tensors pays per-tensor Python costs 100,000 times)."""
+        old, fresh = self._buffers, set()
+        new: list[torch.Tensor] = []
+        for i, t in enumerate(tensors):
+            if i < len(old) and old[i].shape == t.shape and old[i].dtype == t.dtype:
+                new.append(old[i])
+                continue
+            new.append(torch.empty(t.shape, dtype=t.dtype, device="cpu",
+                                   pin_memory=self._pin and t.device.type == "cuda"))
+            fresh.add(i)
+        self._buffers = new
+        return fresh
 
 
 class Snapshot:
@@ -75,11 +74,11 @@ class Snapshot:
     tensors) on the writer's; ``staged`` is written while they run (see handoff.py)."""
 
     def __init__(self, skeleton, tensors, buffers, names, order: list[int], later: set[int],
-                 fresh: set[int]) -> None:
+                 fresh: set[int], pieces: set[int] | None = None) -> None:
         self.handoff = Handoff(tensors, buffers, order, later, fresh)
         self._now = set(order) - later
         self._later = later
-        self.staged = Staged(skeleton, buffers, names, handoff=self.handoff)
+        self.staged = Staged(skeleton, buffers, names, handoff=self.handoff, pieces=pieces)
         self.settled = threading.Event()  # save() is done with it: copied, or failed, and its cost recorded
 
     @property

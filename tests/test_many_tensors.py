@@ -1,0 +1,80 @@
+"""States of tens of thousands of tensors (mixture-of-experts, per-layer adapters): bit-identical
+round trips with views, tied tensors and plain values among them (issue 47), and the pause of the
+garbage collector the save takes for them."""
+
+from __future__ import annotations
+
+import gc
+import threading
+
+import pytest
+import torch
+
+from tieredckpt import CheckpointStore
+from tieredckpt._format.compare import first_difference
+from tieredckpt._format.gcpause import gc_paused
+
+
+def many(n: int, seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    dtypes = (torch.float32, torch.bfloat16, torch.float16, torch.int64)
+    experts = {}
+    for i in range(n):
+        t = torch.randn(8 + i % 5, generator=g).to(dtypes[i % len(dtypes)])
+        experts[f"layer{i // 64}.expert{i % 64}"] = t
+    base = torch.randn(4, 6, generator=g)
+    return {"experts": experts, "tied": [base, base], "view": base[1:3], "transposed": base.t(),
+            "step": seed, "lr": 1e-3, "names": ["a", "b"], "none": None}
+
+
+@pytest.mark.parametrize("n", [30_000, 100_000])
+def test_a_state_of_many_tensors_round_trips_bit_identically_with_its_views_and_ties(tmp_path, n):
+    with CheckpointStore(tmp_path / "run", every=0) as store:
+        for step in (1, 2):  # the second save reuses the first's buffers
+            store.save(step, many(n, step)).wait()
+        got = store.restore(2, mark_resume=False)
+    want = many(n, 2)
+    assert first_difference(want, got) is None
+    assert got["tied"][0] is got["tied"][1]  # tied: one tensor again
+    assert got["view"].untyped_storage().data_ptr() == got["tied"][0].untyped_storage().data_ptr()
+    assert got["step"] == 2 and got["names"] == ["a", "b"] and got["none"] is None
+
+
+def test_a_changed_structure_between_saves_is_saved_as_it_now_is(tmp_path):
+    """A key renamed, a shape and a dtype changed between two saves of many tensors."""
+    with CheckpointStore(tmp_path / "run", every=0) as store:
+        first = many(2000, 1)
+        store.save(1, first).wait()
+        second = many(2000, 2)
+        second["experts"]["renamed"] = second["experts"].pop("layer0.expert0")
+        second["experts"]["layer0.expert1"] = torch.zeros(3, 3)
+        second["experts"]["layer0.expert2"] = second["experts"]["layer0.expert2"].double()
+        store.save(2, second).wait()
+        assert first_difference(second, store.restore(2, mark_resume=False)) is None
+        assert first_difference(first, store.restore(1, mark_resume=False)) is None
+
+
+def test_the_gc_pause_nests_across_threads_and_restores_what_was_there():
+    assert gc.isenabled()
+    entered, leave = threading.Event(), threading.Event()
+
+    def other():
+        with gc_paused():
+            entered.set()
+            leave.wait(10)
+    t = threading.Thread(target=other)
+    with gc_paused():
+        t.start()
+        entered.wait(10)
+        assert not gc.isenabled()
+    assert not gc.isenabled()  # the other thread's pause still holds
+    leave.set()
+    t.join()
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with gc_paused():
+            pass
+        assert not gc.isenabled()  # off before: left off
+    finally:
+        gc.enable()
