@@ -138,3 +138,12 @@ def test_remote_option_values_are_json_where_they_parse_and_secrets_stay_text():
         "endpoint_url": "http://127.0.0.1:9"}
     with pytest.raises(ValueError, match="expected KEY=VALUE"):
         remote_options(argparse.Namespace(endpoint_url=None, remote_option=["=1"]), None)
+
+
+def test_the_debug_flag_works_after_the_command_too(tmp_path):
+    for argv in (["--debug", "ls", str(tmp_path / "none")], ["ls", str(tmp_path / "none"), "--debug"]):
+        out = subprocess.run([sys.executable, "-m", "tieredckpt.cli", *argv], capture_output=True, text=True)
+        assert out.returncode == 1 and "Traceback" in out.stderr, (argv, out.stderr)
+    plain = subprocess.run([sys.executable, "-m", "tieredckpt.cli", "ls", str(tmp_path / "none")],
+                           capture_output=True, text=True)
+    assert plain.returncode == 1 and "Traceback" not in plain.stderr and "no such run directory" in plain.stderr

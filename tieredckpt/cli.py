@@ -62,12 +62,26 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
+def _global_flags_after_the_command(sub) -> None:
+    """``tieredckpt ls RUN --debug`` as well as ``tieredckpt --debug ls RUN``: every command's
+    parser also takes the global flags (SUPPRESS: given before the command, they stay)."""
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                        help="show the traceback of an error")
+    add_parser = sub.add_parser
+
+    def with_common(name, **kwargs):
+        return add_parser(name, parents=[common, *kwargs.pop("parents", [])], **kwargs)
+    sub.add_parser = with_common
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tieredckpt", description="Inspect and manage tieredckpt runs.",
                                 epilog="exit codes: 0 fine, 1 error or problem found, 2 bad usage, 130 interrupted, 141 output pipe closed")
     p.add_argument("--debug", action="store_true", help="show the traceback of an error")
     p.add_argument("--version", action="version", version=f"tieredckpt {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
+    _global_flags_after_the_command(sub)
 
     ls = sub.add_parser("ls", help="list a run's checkpoints, where each lives, and how far uploads lag")
     ls.add_argument("run_dir")

@@ -76,7 +76,7 @@ class _Flattener:
         self.tensors: list[torch.Tensor] = []
         self.names: list[str] = []
         self.used: set[str] = set()
-        self.aliases: dict[tuple, int] = {}  # the same view of the same storage -> its index
+        self.aliases: dict[tuple, int] = {}  # in storages met twice: the same view -> its index
         self.nodes: list[list[dict]] = []  # per tensor, the skeleton nodes naming it
         self.storages: dict[tuple, list[int]] = {}  # (device or None, storage address, dtype) -> its tensors
         self.piece_nodes: list[dict] = []  # the DTensor piece nodes met (their "t" is renumbered with the rest)
@@ -130,17 +130,29 @@ class _Flattener:
         return node
 
     def tensor(self, t: torch.Tensor, path: tuple) -> int:
-        """The index ``t`` is stored under: a tensor seen before (tied weights) keeps its own."""
-        key = _alias_key(t)
-        if key is not None and key in self.aliases:  # tied weights: stored once, restored shared
-            return self.aliases[key]
+        """The index ``t`` is stored under: a tensor seen before (tied weights) keeps its own.
+
+        Tensors are grouped by storage (``make_views`` needs that anyway); only in a storage
+        met before is the full view (offset, shape, strides) compared, through ``aliases``:
+        the usual tensor, alone in its storage, costs one dict lookup, not a key of seven."""
+        group_key = _storage_key(t)
+        group = self.storages.get(group_key) if group_key is not None else None
+        key = None
+        if group is not None:  # this storage again: tied weights, or a view of it
+            if len(group) == 1:
+                self.aliases[_view_key(group_key, self.tensors[group[0]])] = group[0]
+            key = _view_key(group_key, t)
+            if key in self.aliases:  # tied weights: stored once, restored shared
+                return self.aliases[key]
         self.tensors.append(t)
         self.names.append(self.name_for(path))
         self.nodes.append([])
         index = len(self.tensors) - 1
-        if key is not None:
+        if group is not None:
             self.aliases[key] = index
-            self.storages.setdefault((key[0], key[1], t.dtype), []).append(index)
+            group.append(index)
+        elif group_key is not None:
+            self.storages[group_key] = [index]
         return index
 
     def make_views(self) -> None:
@@ -182,18 +194,23 @@ Fetch = Callable[[int, tuple], Any]
 OnPiece = Callable[[tuple, dict], Any]
 
 
-def _alias_key(t: torch.Tensor) -> tuple | None:
-    """What makes two tensors the same bytes: one storage, viewed at the same offset with the
-    same shape, strides and dtype (a state dict's tied weights are such pairs). None where a
-    storage has no address to compare (empty, meta). Called once per tensor of every save:
-    its attribute reads are the cheap ones (``t.device`` makes an object, so a CPU tensor's
-    place in the key is None)."""
+def _storage_key(t: torch.Tensor) -> tuple | None:
+    """The storage a tensor views, with its dtype: (device, or None on the CPU, address, dtype).
+    None where a storage has no address to compare (empty, meta) or a layout has no one storage.
+    Called once per tensor of every save: its reads are the cheap ones (``t.device`` makes an
+    object)."""
     if t.layout is not _STRIDED or t.is_meta or t.numel() == 0:
-        return None  # sparse and other layouts have no one storage (and are refused later, by name)
+        return None  # sparse and other layouts are refused later, by name
     ptr = t.untyped_storage().data_ptr()
     if ptr == 0:
         return None
-    return (None if t.is_cpu else t.device, ptr, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+    return (None if t.is_cpu else t.device, ptr, t.dtype)
+
+
+def _view_key(group_key: tuple, t: torch.Tensor) -> tuple:
+    """What makes two tensors the same bytes: one storage (``group_key``), viewed at the same
+    offset with the same shape and strides (a state dict's tied weights are such pairs)."""
+    return (group_key, t.storage_offset(), tuple(t.shape), t.stride())
 
 
 _STRIDED = torch.strided
