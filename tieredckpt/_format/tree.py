@@ -136,24 +136,28 @@ class _Flattener:
         met before is the full view (offset, shape, strides) compared, through ``aliases``:
         the usual tensor, alone in its storage, costs one dict lookup, not a key of seven."""
         group_key = _storage_key(t)
-        group = self.storages.get(group_key) if group_key is not None else None
-        key = None
-        if group is not None:  # this storage again: tied weights, or a view of it
-            if len(group) == 1:
-                self.aliases[_view_key(group_key, self.tensors[group[0]])] = group[0]
-            key = _view_key(group_key, t)
-            if key in self.aliases:  # tied weights: stored once, restored shared
-                return self.aliases[key]
+        if group_key is None:
+            return self._append(t, path)
+        group = self.storages.get(group_key)
+        if group is None:  # the usual tensor: alone in its storage so far
+            index = self._append(t, path)
+            self.storages[group_key] = [index]
+            return index
+        if len(group) == 1:  # this storage again (tied weights, or a view of it): key the first one too
+            self.aliases[_view_key(group_key, self.tensors[group[0]])] = group[0]
+        key = _view_key(group_key, t)
+        if key in self.aliases:  # tied weights: stored once, restored shared
+            return self.aliases[key]
+        index = self._append(t, path)
+        self.aliases[key] = index
+        group.append(index)
+        return index
+
+    def _append(self, t: torch.Tensor, path: tuple) -> int:
         self.tensors.append(t)
         self.names.append(self.name_for(path))
         self.nodes.append([])
-        index = len(self.tensors) - 1
-        if group is not None:
-            self.aliases[key] = index
-            group.append(index)
-        elif group_key is not None:
-            self.storages[group_key] = [index]
-        return index
+        return len(self.tensors) - 1
 
     def make_views(self) -> None:
         """Tensors viewing the storage of another tensor of the state that covers all of it,
