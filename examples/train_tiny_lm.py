@@ -32,7 +32,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from tieredckpt import CheckpointStore, capture_rng, restore_rng  # noqa: E402
+from tieredckpt import CheckpointStore, TieredCkptError, capture_rng, restore_rng  # noqa: E402
 from tieredckpt._loop.progress import Progress  # noqa: E402
 
 CORPUS = Path(__file__).with_name("data") / "corpus.txt"
@@ -188,4 +188,8 @@ def write_sample(store, model, chars, step: int, length: int = 80) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except TieredCkptError as exc:  # a second demo on the same run, a full disk...: one line, no traceback
+        print(f"train_tiny_lm: error: {exc}", file=sys.stderr)
+        sys.exit(1)

@@ -138,3 +138,18 @@ def test_sigusr1_saves_the_current_step_and_training_goes_on(tmp_path):
     assert LocalTier(tmp_path).latest_step() >= 60
     samples = json.loads((tmp_path / ".samples.json").read_text())
     assert [s["step"] for s in samples] == [25, 50] and all(len(s["text"]) == 81 for s in samples)
+
+
+def test_a_second_demo_on_the_same_run_is_refused_in_one_line_and_the_first_goes_on(tmp_path):
+    from forkserver import shared
+    run = tmp_path / "run"
+    first = shared().popen([str(DEMO), "--run-dir", str(run), "--steps", "100000", "--every", str(EVERY)])
+    wait_for_step(first, run, 2)  # training: the store is open and its signal handlers are in place
+    second = shared().popen([str(DEMO), "--run-dir", str(run), "--steps", "10"])
+    out, err = second.communicate(timeout=120)
+    assert second.returncode == 1, (out, err)
+    assert "another writer holds this run directory" in err and "Traceback" not in err, err
+    assert first.poll() is None  # untouched by the second
+    first.terminate()
+    out, err = first.communicate(timeout=120)
+    assert first.returncode == 0 and "committed" in out, (out, err)
