@@ -91,8 +91,10 @@ class Checkpoints(RuleBasedStateMachine):
         remote = set(self._remote().steps())
         if self.saved:
             assert self.saved[-1] in remote
-        # what the remote keeps is what its policy keeps of what was uploaded
-        assert remote == POLICY.keep(remote)
+        # what the remote keeps is what its policy keeps of what was uploaded; a step the policy
+        # drops may still be there while its delete, failed under an earlier fault, waits its retry
+        queued = set(self.store.uploader._deletions) if self.store.uploader is not None else set()
+        assert remote - POLICY.keep(remote) <= queued, (remote, queued)
 
     @rule(drain=st.booleans())
     def restart(self, drain: bool) -> None:
