@@ -71,21 +71,34 @@ def crc32c_parallel(view: memoryview, threads: int = READ_THREADS, min_split: in
     """crc32c of a large buffer, its pieces checksummed on ``threads`` threads at once."""
     if len(view) < max(min_split, 1) or threads < 2:
         return _crc32c.crc32c(view)
-    step = -(-len(view) // threads)
-    pieces = [view[i:i + step] for i in range(0, len(view), step)]
-    results = [0] * len(pieces)
+    return _crc_ranges(len(view), threads, lambda start, end: _crc32c.crc32c(view[start:end]))
 
-    def work(i):
-        results[i] = _crc32c.crc32c(pieces[i])
-    workers = [threading.Thread(target=work, args=(i,)) for i in range(1, len(pieces))]
+
+def _crc_ranges(size: int, threads: int, range_crc: Callable[[int, int], int]) -> int:
+    """crc32c of ``size`` bytes cut into ``threads`` ranges, each ``range_crc(start, end)`` on its
+    own thread (the first on the caller's), combined in order. A range's exception is raised on
+    the caller's thread once every thread has ended."""
+    step = -(-size // threads)
+    bounds = [(i, min(i + step, size)) for i in range(0, size, step)]
+    results: list = [None] * len(bounds)
+
+    def work(i: int) -> None:
+        try:
+            results[i] = range_crc(*bounds[i])
+        except BaseException as exc:  # noqa: BLE001 - raised on the caller's thread below
+            results[i] = exc
+    workers = [threading.Thread(target=work, args=(i,)) for i in range(1, len(bounds))]
     for w in workers:
         w.start()
     work(0)
     for w in workers:
         w.join()
+    for value in results:
+        if isinstance(value, BaseException):
+            raise value
     crc = results[0]
-    for piece, value in zip(pieces[1:], results[1:]):
-        crc = crc32c_combine(crc, value, len(piece))
+    for (start, end), value in zip(bounds[1:], results[1:]):
+        crc = crc32c_combine(crc, value, end - start)
     return crc
 
 
@@ -246,28 +259,7 @@ def _crc_fd_parallel(fd: int, size: int, stop: Callable[[], bool] | None, min_sp
         return crc
     if size < min_split:
         return piece_crc(0, size)
-    step = -(-size // READ_THREADS)
-    bounds = [(i, min(i + step, size)) for i in range(0, size, step)]
-    results: list = [None] * len(bounds)
-
-    def work(i: int) -> None:
-        try:
-            results[i] = piece_crc(*bounds[i])
-        except BaseException as exc:  # noqa: BLE001 - raised on the caller's thread below
-            results[i] = exc
-    workers = [threading.Thread(target=work, args=(i,)) for i in range(1, len(bounds))]
-    for w in workers:
-        w.start()
-    work(0)
-    for w in workers:
-        w.join()
-    for value in results:
-        if isinstance(value, BaseException):
-            raise value
-    crc = results[0]
-    for (start, end), value in zip(bounds[1:], results[1:]):
-        crc = crc32c_combine(crc, value, end - start)
-    return crc
+    return _crc_ranges(size, READ_THREADS, piece_crc)
 
 
 def file_digest(path: str | os.PathLike, sha256: bool) -> Digest:

@@ -43,6 +43,7 @@ STATE = ".state.json"
 ARCHIVE = "archive"
 PROVENANCE = "provenance.json"
 QUARANTINE = "quarantine"
+FOLDER_FILES_DIR = "files"  # a folder step's files inside its step directory (folder.py)
 CODECS = ("raw", "zstd", "zstd-planes", "zstd-dtype")  # how a part of a shard is stored on the remote (codec.py)
 # Keys of the state a checkpoint holds, where tieredckpt itself gives the state its shape:
 FLAT_FILE_KEY = "flat_v1"  # a state converted from (or for) a flat step_NNNNNN.bin file (flat.py)

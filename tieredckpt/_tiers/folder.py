@@ -61,6 +61,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from .._format import layout
 from .._format.atomic import commit_dir, fsync_dir, make_scratch_dir, naming_a_full_disk, write_all
 from .._format.checksum import CHUNK, crc32c_update, crc_hex
 from .._format.manifest import ShardEntry, ShardManifest, check_relative_path
@@ -69,7 +70,7 @@ from .._format.safefile import kind_of, open_checked
 from ..errors import ChecksumMismatchError, IncompatibleStateError, ManifestError, TieredCkptError, UnreadableFileError
 from .sharded import write_manifest
 
-FILES_DIR = "files"
+FILES_DIR = layout.FOLDER_FILES_DIR
 LAYOUT = "files"
 MAX_FILES = 10_000  # an upload manifest of this many one-part files stays under its 8 MiB bound
 _ANY_SIZE = 1 << 62

@@ -145,7 +145,7 @@ class Reuse:
             return None
 
 
-FOLDER_FILES = "files/"  # a folder step's files (folder.FILES_DIR): maybe a framework's hard links
+FOLDER_FILES = layout.FOLDER_FILES_DIR + "/"  # a folder step's files: maybe a framework's hard links
 
 
 def _source_or_none(path: Path, owned: bool):
