@@ -6,7 +6,8 @@ copy and torch.save + fsync, in one run.
 Two states, fp32, one process (the shapes of issue 47): 30,000 tensors of 4,096 floats
 (480 MB: mixture-of-experts weights and their AdamW moments) and 100,000 tensors of 64
 floats (per-layer adapters). Per state, after two warm-up saves (the first allocates the
-staging buffers), ``repeats`` interleaved rounds of:
+staging buffers, the second keeps the state's structure for the saves after it: treecache.py),
+``repeats`` interleaved rounds of:
 
   bare copy          ``clone()`` of every tensor (what any snapshot must at least do)
   save() blocks      CheckpointStore.save until it returns
@@ -58,8 +59,8 @@ def measure(n: int, size: int, repeats: int, work: str) -> dict[str, list[float]
     times: dict[str, list[float]] = {"bare copy": [], "save() blocks": [], "durable save": [],
                                      "torch.save + fsync": []}
     with CheckpointStore(os.path.join(work, "run"), every=0, keep_local=2) as store:
-        store.save(1, state).wait()
-        store.save(2, state).wait()
+        for step in (1, 2):  # the first allocates the buffers; the second keeps the structure (treecache.py)
+            store.save(step, state).wait()
         for r in range(repeats):
             start = time.perf_counter()
             copies = [t.clone() for t in state.values()]

@@ -27,17 +27,33 @@ def many(n: int, seed: int) -> dict:
             "step": seed, "lr": 1e-3, "names": ["a", "b"], "none": None}
 
 
+def advance(state: dict, step: int) -> None:
+    """A training step, in place: every tensor changes, the structure does not."""
+    torch._foreach_add_(list(state["experts"].values()), 1)
+    state["tied"][0].mul_(2)
+    state["step"], state["lr"] = step, 1e-3 / step
+
+
 @pytest.mark.parametrize("n", [30_000, 100_000])
 def test_a_state_of_many_tensors_round_trips_bit_identically_with_its_views_and_ties(tmp_path, n):
-    with CheckpointStore(tmp_path / "run", every=0) as store:
-        for step in (1, 2):  # the second save reuses the first's buffers
-            store.save(step, many(n, step)).wait()
-        got = store.restore(2, mark_resume=False)
-    want = many(n, 2)
-    assert first_difference(want, got) is None
-    assert got["tied"][0] is got["tied"][1]  # tied: one tensor again
-    assert got["view"].untyped_storage().data_ptr() == got["tied"][0].untyped_storage().data_ptr()
-    assert got["step"] == 2 and got["names"] == ["a", "b"] and got["none"] is None
+    """Three saves of one state updated in place: the second reuses the first's buffers, the
+    third the second's structure (treecache.py); the second and the third restore exactly."""
+    state = many(n, 1)
+    with CheckpointStore(tmp_path / "run", every=0, keep_local=3) as store:
+        for step in (1, 2, 3):
+            advance(state, step)
+            store.save(step, state).wait()
+        assert store._stager._flattens.hits == 1
+        got = {step: store.restore(step, mark_resume=False) for step in (2, 3)}
+    for step in (2, 3):
+        want = many(n, 1)
+        for k in range(1, step + 1):
+            advance(want, k)
+        assert first_difference(want, got[step]) is None, step
+        assert got[step]["tied"][0] is got[step]["tied"][1]  # tied: one tensor again
+        assert got[step]["view"].untyped_storage().data_ptr() == got[step]["tied"][0].untyped_storage().data_ptr()
+        assert got[step]["step"] == step and got[step]["lr"] == 1e-3 / step
+        assert got[step]["names"] == ["a", "b"] and got[step]["none"] is None
 
 
 def test_a_changed_structure_between_saves_is_saved_as_it_now_is(tmp_path):

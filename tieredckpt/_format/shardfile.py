@@ -91,21 +91,32 @@ def _piece_tensors(skeleton) -> set:
 
 
 def write_flattened(path, skeleton, tensors: list[torch.Tensor], names: list[str], *,
-                    sha256: bool = True, handoff=None, pieces: set | None = None) -> Digest:
+                    sha256: bool = True, handoff=None, pieces: set | None = None, structure=None) -> Digest:
     """Write already-flattened state (see :func:`tree.flatten`) in one streaming pass.
 
     ``handoff`` (the store's staging copy, still running: _loop/handoff.py) gives the tensors'
     bytes in the order written, each part once it is there. The cyclic garbage collector
     waits meanwhile (gcpause.py: the views and header entries, a few per tensor, are no
-    cycles, and collections walking the whole process cost a 100,000-tensor write seconds)."""
+    cycles, and collections walking the whole process cost a 100,000-tensor write seconds).
+    ``structure`` (treecache.Structure: the same object while names, dtypes, shapes and order
+    stay the same) keeps the header's tensor entries from one save to the next."""
     with gc_paused():
-        return _write_flattened(path, skeleton, tensors, names, sha256, handoff, pieces)
+        return _write_flattened(path, skeleton, tensors, names, sha256, handoff, pieces, structure)
 
 
-def _write_flattened(path, skeleton, tensors, names, sha256, handoff, pieces) -> Digest:
+def _write_flattened(path, skeleton, tensors, names, sha256, handoff, pieces, structure) -> Digest:
     pieces = _piece_tensors(skeleton) if pieces is None else pieces
-    arrays = [_as_bytes(t, name) for t, name in zip(tensors, names)]  # checked, not yet read
-    order = write_order(skeleton, tensors, pieces)
+    # The order is the header's entries' and the arrays' (a handoff streams in its own, the
+    # same): not needed where a structure's entries are kept and the handoff streams.
+    order = [] if handoff is not None and structure is not None and structure.header is not None \
+        else write_order(skeleton, tensors, pieces)
+    arrays: list[memoryview] = []  # each tensor's bytes, where nothing else gives them
+    if handoff is not None and not pieces:  # the staging buffers, streamed by the handoff: dense CPU tensors
+        _check_dtypes(tensors, names)
+        size = sum(t.numel() * t.element_size() for t in tensors)
+    else:
+        arrays = [_as_bytes(t, name) for t, name in zip(tensors, names)]  # checked, not yet read
+        size = sum(map(len, arrays))
     # With DTensor pieces each tensor carries a crc32c per CRC_BLOCK of its bytes, so a rank
     # that needs part of a piece reads and verifies only the blocks that part lies in -- one more
     # pass over the bytes, on the writer thread, before the header that records them.
@@ -114,10 +125,10 @@ def _write_flattened(path, skeleton, tensors, names, sha256, handoff, pieces) ->
         if handoff is not None:
             handoff.wait_copied()
         crcs = [block_crcs(a) for a in arrays]
-    header_bytes = _encode_header(skeleton, tensors, names, order, crcs)
+    header_bytes = _encode_header(skeleton, tensors, names, order, crcs, structure)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
-        direct = len(header_bytes) + sum(map(len, arrays)) >= MIN_DIRECT and enable_direct(fd)
+        direct = len(header_bytes) + size >= MIN_DIRECT and enable_direct(fd)
         # The O_DIRECT writer copies each view into its own buffers before it asks for the next,
         # so a handoff may give it live tensors; the page-cache one checksums views later.
         data = handoff.stream(live_ok=direct) if handoff is not None else (arrays[i] for i in order)
@@ -162,7 +173,34 @@ def _as_bytes(t: torch.Tensor, name: str) -> memoryview:
     return byte_view(t)
 
 
-def _encode_header(skeleton, tensors, names, order, crcs=None) -> bytes:
+def _check_dtypes(tensors: list[torch.Tensor], names: list[str]) -> None:
+    for dtype in {t.dtype for t in tensors} - _DTYPE_NAMES.keys():
+        name = next(n for t, n in zip(tensors, names) if t.dtype == dtype)
+        raise UnsupportedStateError(f"tensor {name!r} has dtype {dtype}, which tieredckpt cannot store")
+
+
+def _encode_header(skeleton, tensors, names, order, crcs=None, structure=None) -> bytes:
+    """The safetensors-style header: an entry per tensor, then our metadata (the tree). The
+    entries and the names depend on the structure only: with one, they are encoded once and
+    kept on it (``structure.header``); the tree, whose scalars change, is encoded every time."""
+    cached = structure.header if structure is not None and crcs is None else None
+    if cached is None:
+        cached = (_encode_entries(tensors, names, order), json.dumps(names, separators=(",", ":")))
+        if structure is not None and crcs is None:
+            structure.header = cached
+    entries, names_json = cached
+    meta = {"version": FORMAT_VERSION, "tree": skeleton}
+    if crcs is not None:
+        meta["crcs"], meta["crc_block"] = crcs, CRC_BLOCK
+    meta_json = json.dumps(meta, separators=(",", ":"))[:-1] + ',"names":' + names_json + "}"
+    raw = ("{" + entries + '"__metadata__":' + json.dumps({FORMAT_KEY: meta_json}, separators=(",", ":")) + "}").encode()
+    padded = raw.ljust(-(-(8 + len(raw)) // _ALIGN) * _ALIGN - 8, b" ")  # data starts 64-aligned
+    return len(padded).to_bytes(8, "little") + padded
+
+
+def _encode_entries(tensors, names, order) -> str:
+    """``"name":{dtype, shape, data_offsets},`` for each tensor in file order (a trailing comma:
+    the metadata entry follows)."""
     header: dict[str, Any] = {}
     offset = 0
     for i in order:
@@ -170,13 +208,8 @@ def _encode_header(skeleton, tensors, names, order, crcs=None) -> bytes:
         header[names[i]] = {"dtype": _DTYPE_NAMES[tensors[i].dtype], "shape": list(tensors[i].shape),
                             "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
-    meta = {"version": FORMAT_VERSION, "tree": skeleton, "names": names}
-    if crcs is not None:
-        meta["crcs"], meta["crc_block"] = crcs, CRC_BLOCK
-    header["__metadata__"] = {FORMAT_KEY: json.dumps(meta, separators=(",", ":"))}
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    padded = raw.ljust(-(-(8 + len(raw)) // _ALIGN) * _ALIGN - 8, b" ")  # data starts 64-aligned
-    return len(padded).to_bytes(8, "little") + padded
+    encoded = json.dumps(header, separators=(",", ":"))[1:-1]
+    return encoded + "," if encoded else ""
 
 
 def read_shard(path: str | os.PathLike, *, size: int | None = None, crc32c: str | None = None,

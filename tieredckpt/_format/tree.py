@@ -46,6 +46,7 @@ class Staged:
     names: list[str]
     handoff: Any = None
     pieces: set[int] | None = None  # the tensors that are DTensor pieces, where the walk said (None: unknown)
+    structure: Any = None  # a treecache.Structure: the same object for every save of one structure
 
     @property
     def nbytes(self) -> int:

@@ -52,16 +52,19 @@ class Handoff:
     """The parts of one save, and who has each."""
 
     def __init__(self, sources: list[torch.Tensor], buffers: list[torch.Tensor], order: list[int],
-                 deferred: set[int], fresh: set[int]) -> None:
+                 deferred: set[int], fresh: set[int], parts: list | None = None) -> None:
         self._sources, self._buffers = sources, buffers
         # A live tensor may be read by the writer only when its buffer is new (``fresh``: the
         # first save, or a shape changed), it is a plain CPU tensor whose bytes are the buffer's,
         # and not deferred (copied later, while the loop runs: see staging.py). Only such a tensor
         # is cut into parts; any other is copied whole, by torch on all cores.
-        readable = {i for i in order if i in fresh and i not in deferred and _readable(sources[i])}
-        self.parts = [(i, start, end) for i in order
-                      for start, end in (_cuts(buffers[i]) if i in readable else [(0, _nbytes(buffers[i]))])]
-        self._live_ok = [i in readable for i, _, _ in self.parts]
+        # ``parts``: the last save's, given where nothing is fresh and the structure is the same
+        # (staging.py): every tensor one part then, and none read live.
+        readable = {i for i in order if i in fresh and i not in deferred and _readable(sources[i])} if fresh else set()
+        self.parts = parts if parts is not None and not readable else \
+            [(i, start, end) for i in order
+             for start, end in (_cuts(buffers[i]) if i in readable else [(0, _nbytes(buffers[i]))])]
+        self._live_ok = [i in readable for i, _, _ in self.parts] if readable else [False] * len(self.parts)
         self.reads_live = bool(readable)  # else the writer starts once the copy is done
         self._state = [_NEW] * len(self.parts)
         self._cond = threading.Condition()

@@ -29,10 +29,10 @@ from typing import Any
 
 import torch
 
-from .._format import tree
 from .._format.pieces import is_dtensor, local_tensor
 from .._format.shardfile import write_order
 from .._format.tree import Staged
+from .._format.treecache import FlattenCache, Structure
 from .handoff import Handoff
 
 
@@ -40,17 +40,30 @@ class Stager:
     def __init__(self) -> None:
         self._buffers: list[torch.Tensor] = []
         self._pin = torch.cuda.is_available()
+        self._flattens = FlattenCache()
+        self._fitted: Structure | None = None  # the structure the buffers, order and parts are for
+        self._order: list[int] = []
+        self._parts: list | None = None
 
     def stage_split(self, state: Any, defer: set[int]) -> Snapshot:
         """A snapshot of ``state`` (plain values by value, tensors into the reused buffers), not
         yet copied: ``copy_now`` copies every tensor whose storage is not in ``defer`` (data
         pointers), ``copy_rest`` the deferred rest. Its ``staged`` may be handed to the writer
         before either runs (see handoff.py)."""
-        skeleton, tensors, names, pieces = tree.flatten_with_pieces(to_state_dict(state))
-        fresh = self._fit_buffers(tensors)
-        order = write_order(skeleton, tensors, pieces)  # the order the writer reads them in
+        skeleton, tensors, names, pieces, structure = self._flattens.flatten(to_state_dict(state))
+        if structure is not None and structure is self._fitted:  # the last save's shapes and order
+            fresh, order, parts = set(), self._order, self._parts
+        else:
+            fresh = self._fit_buffers(tensors)
+            order = write_order(skeleton, tensors, pieces)  # the order the writer reads them in
+            self._fitted, self._order, self._parts = structure, order, None
+            parts = None
         later = {i for i in order if _storage(tensors[i]) in defer} if defer else set()
-        return Snapshot(skeleton, tensors, list(self._buffers), names, order, later, fresh, pieces)
+        snapshot = Snapshot(skeleton, tensors, list(self._buffers), names, order, later, fresh, pieces,
+                            structure, parts)
+        if structure is not None and not fresh:
+            self._parts = snapshot.handoff.parts  # the same for every save of it from now on
+        return snapshot
 
     def _fit_buffers(self, tensors: list[torch.Tensor]) -> set[int]:
         """One buffer per tensor, the last save's where its shape and dtype still fit; the
@@ -74,11 +87,12 @@ class Snapshot:
     tensors) on the writer's; ``staged`` is written while they run (see handoff.py)."""
 
     def __init__(self, skeleton, tensors, buffers, names, order: list[int], later: set[int],
-                 fresh: set[int], pieces: set[int] | None = None) -> None:
-        self.handoff = Handoff(tensors, buffers, order, later, fresh)
+                 fresh: set[int], pieces: set[int] | None = None, structure: Structure | None = None,
+                 parts: list | None = None) -> None:
+        self.handoff = Handoff(tensors, buffers, order, later, fresh, parts)
         self._now = set(order) - later
         self._later = later
-        self.staged = Staged(skeleton, buffers, names, handoff=self.handoff, pieces=pieces)
+        self.staged = Staged(skeleton, buffers, names, handoff=self.handoff, pieces=pieces, structure=structure)
         self.settled = threading.Event()  # save() is done with it: copied, or failed, and its cost recorded
 
     @property
@@ -174,12 +188,15 @@ def to_state_dict(state: Any) -> Any:
         return state
     if hasattr(state, "state_dict") and callable(state.state_dict) and not isinstance(state, dict):
         return state.state_dict()
-    if isinstance(state, dict):
-        items = [(k, to_state_dict(v)) for k, v in state.items()]
+    if isinstance(state, dict):  # a tensor value needs no call (100,000 of them: 20 ms)
+        items = [(k, v if type(v) is _Tensor else to_state_dict(v)) for k, v in state.items()]
         out = OrderedDict(items) if isinstance(state, OrderedDict) else dict(items)
         if hasattr(state, "_metadata"):
             out._metadata = state._metadata  # type: ignore[attr-defined]
         return out
     if isinstance(state, (list, tuple)):
-        return type(state)(to_state_dict(v) for v in state)
+        return type(state)(v if type(v) is _Tensor else to_state_dict(v) for v in state)
     return state
+
+
+_Tensor = torch.Tensor

@@ -119,7 +119,7 @@ def write_rank(path: Path, state: Any, sha256: bool = True):
     from .._format.tree import Staged
     if isinstance(state, Staged):  # already snapshotted by the store
         return write_flattened(path, state.skeleton, state.tensors, state.names, sha256=sha256,
-                               handoff=state.handoff, pieces=state.pieces)
+                               handoff=state.handoff, pieces=state.pieces, structure=state.structure)
     return write_shard(path, state, sha256=sha256)
 
 
