@@ -5,6 +5,7 @@ overwrites every tensor the moment save() returns; a copy that fails commits not
 
 from __future__ import annotations
 
+import copy
 import os
 import time
 
@@ -17,6 +18,7 @@ from tieredckpt._format import directwrite
 from tieredckpt._format.compare import first_difference
 from tieredckpt._loop import handoff
 from tieredckpt._loop.handoff import Handoff
+from tieredckpt._loop.staging import Stager, _side_by_side
 
 MB = 1 << 20
 
@@ -178,3 +180,71 @@ def test_parts_are_whole_elements_and_cover_every_byte_once():
         assert cuts[0][0] == 0 and cuts[-1][1] == b.numel() * b.element_size()
         assert all(a[1] == c[0] for a, c in zip(cuts, cuts[1:]))
         assert all(s % b.element_size() == 0 and e - s <= handoff.PART for s, e in cuts)
+
+
+def small_state() -> dict:
+    """Small tensors of every width (staged side by side), an empty and a 0-d one, and one too
+    large to share (its own buffer)."""
+    g = torch.Generator().manual_seed(5)
+    kinds = (torch.float64, torch.float32, torch.bfloat16, torch.int8, torch.bool, torch.int64, torch.float16)
+    small = [torch.randn(3 + i % 7, generator=g).to(kinds[i % len(kinds)]) for i in range(300)]
+    return {"small": small, "empty": torch.empty(0, 4), "scalar": torch.tensor(2.5),
+            "large": torch.randn((256 << 10) // 4, generator=g), "step": 0}
+
+
+def test_small_tensors_are_staged_side_by_side_and_written_as_runs_of_one_part(tmp_path, monkeypatch):
+    """From the second save on (the buffers reused) the small tensors' bytes reach the writer
+    as a few runs, not a part each; every save restores exactly though the loop overwrites its
+    tensors the moment save() returns; a small tensor whose shape changes gets a new side-by-side
+    buffer, and the old one is never written from."""
+    snapshots = []
+    real = Stager.stage_split
+    monkeypatch.setattr(Stager, "stage_split", lambda self, *a: snapshots.append(real(self, *a)) or snapshots[-1])
+    state = small_state()
+    saved = {}
+    with CheckpointStore(tmp_path / "run", every=0, keep_local=4) as store:
+        for step in (1, 2, 3, 4):
+            with torch.no_grad():
+                for t in state["small"]:
+                    t.add_(1) if t.dtype != torch.bool else t.logical_not_()
+            if step == 4:
+                state["small"][7] = torch.arange(11, dtype=torch.float32)  # a new shape
+            state["step"] = step
+            saved[step] = copy.deepcopy(state)
+            flat_before = store._stager._flat
+            handle = store.save(step, state)
+            parts = snapshots[-1].handoff.parts
+            overwrite(state)
+            handle.wait()
+            state = copy.deepcopy(saved[step])
+            if step in (2, 3):  # 303 tensors, in runs: the large one, the runs, nothing else
+                assert len(parts) <= 5, parts
+            if step == 4:
+                assert store._stager._flat is not flat_before
+        for step in (1, 2, 3, 4):
+            assert first_difference(saved[step], store.restore(step, mark_resume=False)) is None, step
+
+
+def test_runs_cover_every_byte_once_in_order_and_stop_at_a_deferred_tensor_or_a_part():
+    tensors = [torch.arange(n).to(d) for n, d in ((5, torch.float64), (3, torch.float32), (0, torch.float32),
+                                                      (7, torch.int8), (4, torch.int8), (1, torch.uint8))]
+    order = list(range(len(tensors)))
+    flat, views = _side_by_side(tensors, order, pin=False)
+    buffers = [views[i] for i in order]
+    for b, t in zip(buffers, tensors):
+        b.copy_(t)
+    parts = [(i, 0, b.numel() * b.element_size()) for i, b in enumerate(buffers)]
+    merged, mviews = handoff._runs(parts, buffers, set(), flat)
+    assert len(merged) == 1 and bytes(mviews[0]) == bytes(handoff.byte_view(flat))
+    merged, mviews = handoff._runs(parts, buffers, {3}, flat)  # tensor 3 is copied later: its own part
+    assert [p[0] for p in merged] == [0, 3, 4] and mviews[1] is None
+    assert b"".join(bytes(v) if v is not None else bytes(handoff.byte_view(buffers[3])) for v in mviews) == \
+        bytes(handoff.byte_view(flat))
+    old = handoff.PART
+    try:
+        handoff.PART = 40  # runs stop at a part's size
+        merged, mviews = handoff._runs(parts, buffers, set(), flat)
+        assert len(merged) == 2 and all(len(v) <= 40 for v in mviews)
+        assert b"".join(map(bytes, mviews)) == bytes(handoff.byte_view(flat))
+    finally:
+        handoff.PART = old

@@ -49,6 +49,7 @@ _DTYPE_NAMES = {
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
     torch.uint8: "U8", torch.bool: "BOOL",
 }
+STORED_DTYPES = frozenset(_DTYPE_NAMES)  # what a shard can hold
 for _attr, _name in [("uint16", "U16"), ("uint32", "U32"), ("uint64", "U64"),
                      ("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2")]:
     if hasattr(torch, _attr):

@@ -52,18 +52,22 @@ class Handoff:
     """The parts of one save, and who has each."""
 
     def __init__(self, sources: list[torch.Tensor], buffers: list[torch.Tensor], order: list[int],
-                 deferred: set[int], fresh: set[int], parts: list | None = None) -> None:
+                 deferred: set[int], fresh: set[int], layout: tuple | None = None,
+                 flat: torch.Tensor | None = None) -> None:
         self._sources, self._buffers = sources, buffers
         # A live tensor may be read by the writer only when its buffer is new (``fresh``: the
         # first save, or a shape changed), it is a plain CPU tensor whose bytes are the buffer's,
         # and not deferred (copied later, while the loop runs: see staging.py). Only such a tensor
         # is cut into parts; any other is copied whole, by torch on all cores.
-        # ``parts``: the last save's, given where nothing is fresh and the structure is the same
-        # (staging.py): every tensor one part then, and none read live.
         readable = {i for i in order if i in fresh and i not in deferred and _readable(sources[i])} if fresh else set()
-        self.parts = parts if parts is not None and not readable else \
-            [(i, start, end) for i in order
-             for start, end in (_cuts(buffers[i]) if i in readable else [(0, _nbytes(buffers[i]))])]
+        if layout is not None and not readable:  # the last save's (staging.py: same structure, nothing deferred)
+            self.parts, self._views = layout
+        else:
+            self.parts = [(i, start, end) for i in order
+                          for start, end in (_cuts(buffers[i]) if i in readable else [(0, _nbytes(buffers[i]))])]
+            self._views = [None] * len(self.parts)
+            if not readable and flat is not None:
+                self.parts, self._views = _runs(self.parts, buffers, deferred, flat)
         self._live_ok = [i in readable for i, _, _ in self.parts] if readable else [False] * len(self.parts)
         self.reads_live = bool(readable)  # else the writer starts once the copy is done
         self._state = [_NEW] * len(self.parts)
@@ -72,6 +76,11 @@ class Handoff:
         self._awaited: int | None = None  # the part the writer waits for
         self._copy_done = False  # save() has returned, or is about to: no live reads from now on
         self._failed = False
+
+    @property
+    def layout(self) -> tuple:
+        """The parts and their views, to be given to the next Handoff of the same buffers."""
+        return self.parts, self._views
 
     @property
     def read_live(self) -> bool:
@@ -193,6 +202,9 @@ class Handoff:
         the iterator closed: the caller must close it, even when it fails)."""
         for k, (i, start, end) in enumerate(self.parts):
             live = self._take(k, live_ok)
+            if self._views[k] is not None:  # a run of small tensors' buffers, never live
+                yield self._views[k]
+                continue
             try:
                 tensor = self._sources[i] if live else self._buffers[i]
                 yield byte_view(tensor.reshape(-1) if live else tensor.view(-1))[start:end]
@@ -230,6 +242,40 @@ class Handoff:
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+def _runs(parts: list, buffers: list[torch.Tensor], deferred: set[int], flat: torch.Tensor) -> tuple[list, list]:
+    """``parts`` with each run of whole tensors lying side by side in ``flat`` (the small
+    tensors' buffer, staging.py) made one part of up to PART bytes, and a view of each such
+    part's bytes (None for the others). A run's part is named by its first tensor: every
+    tensor in it is copied whole by _copy_whole, none is deferred, none read live."""
+    base, size = flat.data_ptr(), flat.numel()
+    whole = byte_view(flat) if size else memoryview(b"")
+    out: list = []
+    views: list[memoryview | None] = []
+    run: list[int] | None = None  # [first tensor, start address, end address]
+
+    def flush() -> None:
+        if run is not None:
+            out.append((run[0], 0, run[2] - run[1]))
+            views.append(whole[run[1] - base:run[2] - base])
+    for i, start, end in parts:
+        ptr, n = buffers[i].data_ptr(), end - start
+        if n == 0 and run is not None and i not in deferred:  # no bytes (nor a dependable address): joins the run
+            continue
+        inside = i not in deferred and start == 0 and n == _nbytes(buffers[i]) and base <= ptr and ptr + n <= base + size
+        if inside and run is not None and run[2] == ptr and ptr + n - run[1] <= PART:
+            run[2] = ptr + n
+            continue
+        flush()
+        run = None
+        if inside:
+            run = [i, ptr, ptr + n]
+        else:
+            out.append((i, start, end))
+            views.append(None)
+    flush()
+    return out, views
 
 
 def _cuts(buffer: torch.Tensor) -> list[tuple[int, int]]:

@@ -30,20 +30,23 @@ from typing import Any
 import torch
 
 from .._format.pieces import is_dtensor, local_tensor
-from .._format.shardfile import write_order
+from .._format.shardfile import STORED_DTYPES, write_order
 from .._format.tree import Staged
 from .._format.treecache import FlattenCache, Structure
 from .handoff import Handoff
+
+SMALL = 64 << 10  # bytes: tensors up to this size are staged side by side in one buffer
 
 
 class Stager:
     def __init__(self) -> None:
         self._buffers: list[torch.Tensor] = []
+        self._flat: torch.Tensor | None = None  # the small tensors' buffer, in write order
         self._pin = torch.cuda.is_available()
         self._flattens = FlattenCache()
         self._fitted: Structure | None = None  # the structure the buffers, order and parts are for
         self._order: list[int] = []
-        self._parts: list | None = None
+        self._layout: tuple | None = None  # the handoff's parts, for a save of _fitted with nothing deferred
 
     def stage_split(self, state: Any, defer: set[int]) -> Snapshot:
         """A snapshot of ``state`` (plain values by value, tensors into the reused buffers), not
@@ -52,34 +55,58 @@ class Stager:
         before either runs (see handoff.py)."""
         skeleton, tensors, names, pieces, structure = self._flattens.flatten(to_state_dict(state))
         if structure is not None and structure is self._fitted:  # the last save's shapes and order
-            fresh, order, parts = set(), self._order, self._parts
+            fresh, order = set(), self._order
         else:
-            fresh = self._fit_buffers(tensors)
             order = write_order(skeleton, tensors, pieces)  # the order the writer reads them in
-            self._fitted, self._order, self._parts = structure, order, None
-            parts = None
+            fresh = self._fit_buffers(tensors, order)
+            self._fitted, self._order, self._layout = structure, order, None
         later = {i for i in order if _storage(tensors[i]) in defer} if defer else set()
+        layout = self._layout if not later else None
         snapshot = Snapshot(skeleton, tensors, list(self._buffers), names, order, later, fresh, pieces,
-                            structure, parts)
-        if structure is not None and not fresh:
-            self._parts = snapshot.handoff.parts  # the same for every save of it from now on
+                            structure, layout, self._flat)
+        if structure is not None and not fresh and not later:
+            self._layout = snapshot.handoff.layout  # the same for every such save of it from now on
         return snapshot
 
-    def _fit_buffers(self, tensors: list[torch.Tensor]) -> set[int]:
+    def _fit_buffers(self, tensors: list[torch.Tensor], order: list[int]) -> set[int]:
         """One buffer per tensor, the last save's where its shape and dtype still fit; the
-        indices of those made new. One pass, one comparison per tensor (a state of 100,000
-        tensors pays per-tensor Python costs 100,000 times)."""
-        old, fresh = self._buffers, set()
-        new: list[torch.Tensor] = []
+        indices of those made new. The small tensors' buffers are views of one buffer, laid
+        out in write order, so the writer takes runs of them as one part (handoff.py): made
+        anew whenever one of them does not fit. One pass, one comparison per tensor (a state
+        of 100,000 tensors pays per-tensor Python costs 100,000 times)."""
+        old = self._buffers
+        fits = [i < len(old) and old[i].shape == t.shape and old[i].dtype == t.dtype for i, t in enumerate(tensors)]
+        small = {i for i, t in enumerate(tensors)
+                 if t.dtype in STORED_DTYPES and t.numel() * t.element_size() <= SMALL}
+        new: list[torch.Tensor | None] = [old[i] if fits[i] else None for i in range(len(tensors))]
+        if not small:
+            self._flat = None
+        elif self._flat is None or not all(fits[i] for i in small):
+            pin = self._pin and any(tensors[i].device.type == "cuda" for i in small)
+            self._flat, views = _side_by_side(tensors, [i for i in order if i in small], pin)
+            for i, view in views.items():
+                new[i] = view
+        fresh = {i for i in range(len(tensors)) if not fits[i] or (i in small and new[i] is not old[i])}
         for i, t in enumerate(tensors):
-            if i < len(old) and old[i].shape == t.shape and old[i].dtype == t.dtype:
-                new.append(old[i])
-                continue
-            new.append(torch.empty(t.shape, dtype=t.dtype, device="cpu",
-                                   pin_memory=self._pin and t.device.type == "cuda"))
-            fresh.add(i)
+            if new[i] is None:
+                new[i] = torch.empty(t.shape, dtype=t.dtype, device="cpu",
+                                     pin_memory=self._pin and t.device.type == "cuda")
         self._buffers = new
         return fresh
+
+
+def _side_by_side(tensors: list[torch.Tensor], which: list[int], pin: bool) -> tuple[torch.Tensor, dict]:
+    """One byte buffer holding a buffer for each of tensors ``which``, in that order, each at an
+    offset aligned to its element size (in write order, widest first, that is no padding)."""
+    offsets, end = {}, 0
+    for i in which:
+        size = tensors[i].element_size()
+        offsets[i] = start = -(-end // size) * size
+        end = start + tensors[i].numel() * size
+    flat = torch.empty(end, dtype=torch.uint8, device="cpu", pin_memory=pin)
+    views = {i: flat[start:start + tensors[i].numel() * tensors[i].element_size()]
+             .view(tensors[i].dtype).view(tensors[i].shape) for i, start in offsets.items()}
+    return flat, views
 
 
 class Snapshot:
@@ -88,8 +115,8 @@ class Snapshot:
 
     def __init__(self, skeleton, tensors, buffers, names, order: list[int], later: set[int],
                  fresh: set[int], pieces: set[int] | None = None, structure: Structure | None = None,
-                 parts: list | None = None) -> None:
-        self.handoff = Handoff(tensors, buffers, order, later, fresh, parts)
+                 layout: tuple | None = None, flat: torch.Tensor | None = None) -> None:
+        self.handoff = Handoff(tensors, buffers, order, later, fresh, layout, flat)
         self._now = set(order) - later
         self._later = later
         self.staged = Staged(skeleton, buffers, names, handoff=self.handoff, pieces=pieces, structure=structure)
