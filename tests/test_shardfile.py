@@ -176,3 +176,20 @@ def test_loaded_tensors_own_their_storage_so_storage_based_apis_work(tmp_path):
     before = (tmp_path / "shard.bin").read_bytes()
     out["w"].add_(1)  # a private copy-on-write mapping: the file is untouched
     assert (tmp_path / "shard.bin").read_bytes() == before
+
+
+def test_small_tensors_are_written_in_batches_and_read_back_exactly(tmp_path, monkeypatch):
+    """Views under BATCH are joined into writes of about BATCH, around tensors larger than it
+    and sizes right at it; the file reads back exactly."""
+    from tieredckpt._format import atomic, shardfile
+    writes = []
+    real = atomic.os.write
+    monkeypatch.setattr(atomic.os, "write", lambda fd, data: writes.append(len(data)) or real(fd, data))
+    batch = shardfile.BATCH
+    state = {"small": [torch.full((n,), float(n)) for n in range(1, 3000)],  # ~18 MB of small ones
+             "big": torch.randn(batch // 4 * 3 + 1), "exact": torch.ones(batch // 4), "under": torch.ones(batch // 4 - 1),
+             "tail": torch.arange(5)}
+    path = tmp_path / "s.bin"
+    shardfile.write_shard(path, state, sha256=True)
+    assert first_difference(state, read_shard(path)) is None
+    assert len(writes) < 40, writes  # 3,000 tensors and a header: a few dozen writes

@@ -145,15 +145,37 @@ def _write_flattened(path, skeleton, tensors, names, sha256, handoff, pieces, st
     return done
 
 
+BATCH = 1 << 20  # bytes: small views are joined into writes of about this size
+
+
 def _write_buffered(fd: int, pieces: Iterable[memoryview], sha256: bool) -> Digest:
-    """Through the page cache, straight from the tensors' memory, checksummed beside the writes."""
+    """Through the page cache, straight from the tensors' memory, checksummed beside the writes.
+    Views smaller than BATCH are joined (one copy of small bytes) into writes of about BATCH:
+    100,000 small tensors are 100 writes, not 100,000 (a joined batch is a new bytes object,
+    so the checksum threads may read it after the next one is made)."""
     digest = StreamDigest(sha256=sha256)
+    small: list[memoryview] = []
+    pending = 0
+
+    def put(chunk) -> None:
+        digest.update(chunk)
+        write_all(fd, chunk)
     try:
         for view in pieces:
+            if len(view) < BATCH:
+                small.append(view)
+                pending += len(view)
+                if pending < BATCH:
+                    continue
+            if small:
+                put(b"".join(small) if len(small) > 1 else small[0])
+                small, pending = [], 0
+                if len(view) < BATCH:
+                    continue
             for start in range(0, len(view), CHUNK):
-                chunk = view[start:start + CHUNK]
-                digest.update(chunk)
-                write_all(fd, chunk)
+                put(view[start:start + CHUNK])
+        if small:
+            put(b"".join(small))
     except BaseException:
         digest.abort()
         raise
