@@ -193,3 +193,15 @@ def test_small_tensors_are_written_in_batches_and_read_back_exactly(tmp_path, mo
     shardfile.write_shard(path, state, sha256=True)
     assert first_difference(state, read_shard(path)) is None
     assert len(writes) < 40, writes  # 3,000 tensors and a header: a few dozen writes
+
+
+def test_every_dtype_a_shard_holds_is_saved_through_the_store_too(tmp_path):
+    """The store's staged path checks dtypes as a set: every dtype the format knows passes it,
+    including those only newer torch has (uint16, float8)."""
+    from tieredckpt import CheckpointStore
+    from tieredckpt._format.shardfile import STORED_DTYPES
+    state = {str(d): torch.zeros(4, dtype=torch.float32).to(d) for d in STORED_DTYPES}
+    assert any("float8" in k or "uint16" in k for k in state)
+    with CheckpointStore(tmp_path / "run", every=0) as store:
+        store.save(1, state).wait()
+        assert first_difference(state, store.restore(1, mark_resume=False)) is None

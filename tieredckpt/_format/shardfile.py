@@ -49,12 +49,12 @@ _DTYPE_NAMES = {
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
     torch.uint8: "U8", torch.bool: "BOOL",
 }
-STORED_DTYPES = frozenset(_DTYPE_NAMES)  # what a shard can hold
 for _attr, _name in [("uint16", "U16"), ("uint32", "U32"), ("uint64", "U64"),
                      ("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2")]:
     if hasattr(torch, _attr):
         _DTYPE_NAMES[getattr(torch, _attr)] = _name
 _DTYPES = {name: dtype for dtype, name in _DTYPE_NAMES.items()}
+STORED_DTYPES = frozenset(_DTYPE_NAMES)  # what a shard can hold (after the dtypes this torch may lack)
 
 VERIFY_MODES = ("none", "crc", "sha256")
 CRC_BLOCK = 1 << 20  # the unit a piecewise read verifies (pieces shards: a crc32c per block)
@@ -184,7 +184,7 @@ def _write_buffered(fd: int, pieces: Iterable[memoryview], sha256: bool) -> Dige
 
 def _as_bytes(t: torch.Tensor, name: str) -> memoryview:
     if t.dtype not in _DTYPE_NAMES:
-        raise UnsupportedStateError(f"tensor {name!r} has dtype {t.dtype}, which tieredckpt cannot store")
+        raise _unstorable(name, t.dtype)
     if t.layout != torch.strided or t.is_quantized or t.device.type == "meta":
         raise UnsupportedStateError(f"tensor {name!r} is {t.layout}/{t.device.type}: only dense tensors are stored")
     t = t.detach()
@@ -197,9 +197,12 @@ def _as_bytes(t: torch.Tensor, name: str) -> memoryview:
 
 
 def _check_dtypes(tensors: list[torch.Tensor], names: list[str]) -> None:
-    for dtype in {t.dtype for t in tensors} - _DTYPE_NAMES.keys():
-        name = next(n for t, n in zip(tensors, names) if t.dtype == dtype)
-        raise UnsupportedStateError(f"tensor {name!r} has dtype {dtype}, which tieredckpt cannot store")
+    for dtype in {t.dtype for t in tensors} - STORED_DTYPES:
+        raise _unstorable(next(n for t, n in zip(tensors, names) if t.dtype == dtype), dtype)
+
+
+def _unstorable(name: str, dtype: torch.dtype) -> UnsupportedStateError:
+    return UnsupportedStateError(f"tensor {name!r} has dtype {dtype}, which tieredckpt cannot store")
 
 
 def _encode_header(skeleton, tensors, names, order, crcs=None, structure=None) -> bytes:
