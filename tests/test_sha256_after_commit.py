@@ -58,9 +58,9 @@ def test_corrupt_bytes_are_never_blessed_with_a_sha256(tmp_path):
 def test_the_store_records_sha256_after_each_commit_and_before_uploading(tmp_path):
     remote = tmp_path / "remote"
     with CheckpointStore(tmp_path / "run", f"file://{remote}", every=1) as store:
-        for step in (1, 2):
+        for step in (1, 2):  # each uploaded before the next commit (a newer one supersedes a pending upload)
             store.save(step, state(step)).wait()
-        store.wait(uploads=True)
+            store.wait(uploads=True)
         for step in (1, 2):
             entry = store.local.manifest(step).shards[0]
             assert entry.sha256 == sha256_of(store.local.step_path(step) / entry.path)
