@@ -66,6 +66,7 @@ class FaultProxy:
         self.body_bytes = 0  # request bodies passed to the proxy: what a client sent over the wire
         self.injected: Counter = Counter()
         self.log: list[tuple[str, str]] = []  # (method, path) of every request, in order
+        self.targets: list[str] = []  # "METHOD target" of every request, query string included
         self._stop = False
 
     def start(self) -> FaultProxy:
@@ -88,10 +89,16 @@ class FaultProxy:
         with self._lock:
             self.counts.clear()
             self.log.clear()
+            self.targets.clear()
 
     def requests(self, method: str | None = None, contains: str = "") -> list[str]:
         with self._lock:
             return [p for m, p in self.log if (method is None or m == method) and contains in p]
+
+    def calls(self) -> list[str]:
+        """Every request counted, as "METHOD target" with its query string."""
+        with self._lock:
+            return list(self.targets)
 
     def total(self) -> int:
         with self._lock:
@@ -151,6 +158,7 @@ class FaultProxy:
                     self.counts[method] += 1
                     self.body_bytes += len(body)
                     self.log.append((method, target.split("?")[0]))
+                    self.targets.append(f"{method} {target}")
                 mode = self._active(method, target)
                 if mode is not None:
                     with self._lock:

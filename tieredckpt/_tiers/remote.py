@@ -321,14 +321,15 @@ class RemoteTier:
         meanwhile (or an object referenced was deleted), writing upload.json would publish
         a partial checkpoint. The attempt fails with PartsMissingError naming them; whoever keeps
         the record of sent parts forgets them (``forget_part``), so the next attempt sends them.
+
+        One lookup per object the step names (``concurrency`` at a time), never a listing of
+        ``objects/``: a commit costs the same whatever the run's kept steps hold.
         """
-        prefix = layout.OBJECTS + "/"
-        present = self.t.list_files(layout.OBJECTS)
-        missing = []
-        for f in files:
-            for part in f.parts:
-                if present.get(part.path[len(prefix):]) != part.stored_size:
-                    missing.append((f.path, part.offset, part.path))
+        wanted = {part.path: part.stored_size for f in files for part in f.parts}
+        with ThreadPoolExecutor(max(1, self.concurrency), thread_name_prefix="tieredckpt-confirm") as pool:
+            found = dict(zip(wanted, pool.map(self.t.size, wanted)))
+        missing = [(f.path, part.offset, part.path) for f in files for part in f.parts
+                   if found[part.path] != part.stored_size]
         if missing:
             raise PartsMissingError(f"{self.where(layout.OBJECTS)}: {len(missing)} part(s) of this step are missing "
                                     f"or short on the remote (first: {missing[0][2]}); sending them again", missing)

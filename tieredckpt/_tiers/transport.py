@@ -354,6 +354,14 @@ class Transport:
         except RemoteNotFoundError:
             return False
 
+    def size(self, rel: str) -> int | None:
+        """The stored size of one object (one HEAD on S3), None when it does not exist."""
+        try:
+            info = self._call("info", (self.path(rel),), f"look up {rel}", fresh=rel)
+        except RemoteNotFoundError:
+            return None
+        return None if info.get("type", "file") == "directory" else int(info.get("size") or 0)
+
     def list_dirs(self, rel: str = "") -> list[str]:
         """Names of the entries directly under ``rel`` (one delimiter listing, paged by the backend)."""
         try:
