@@ -1,6 +1,7 @@
 """FSDP2 state at 2 and 4 ranks: DCP's FileSystemWriter vs DCP through our writer vs store.save.
 
     python benchmarks/bench_dcp.py [--params-m 40] [--repeats 3]
+    python benchmarks/bench_dcp.py --experts 3000     # many small DTensor pieces per rank
 
 For each world size a gloo process group is spawned on this machine, a GPT-shaped
 model (--params-m million parameters, fp32) is sharded with ``fully_shard`` and
@@ -41,11 +42,13 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))
 
 
-def build(params_m: float):
+def build(params_m: float, experts: int = 0):
     import torch
     from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+    if experts:
+        return build_experts(experts)
     dim, vocab = 512, 8192
     layers = max(1, round((params_m * 1e6 - 2 * vocab * dim) / (12 * dim * dim)))
     torch.manual_seed(0)
@@ -60,6 +63,33 @@ def build(params_m: float):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ids = torch.randint(0, vocab, (2, 16), generator=torch.Generator().manual_seed(1))
     model(ids).float().mean().backward()
+    opt.step()
+    opt.zero_grad()
+    return model, opt
+
+
+def build_experts(n: int):
+    """A mixture-of-experts shape: n experts of two 64x64 matrices and a bias, sharded as one
+    FSDP2 unit, stepped once by AdamW: about 4 x 3n DTensor pieces per rank (params, m, v, step)."""
+    import torch
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    class Experts(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.experts = nn.ModuleList(nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64, bias=False))
+                                         for _ in range(n))
+
+        def forward(self, x):
+            return sum(e(x).sum() for e in self.experts)
+
+    torch.manual_seed(0)
+    model = Experts()
+    fully_shard(model, mesh=init_device_mesh("cpu", (int(os.environ["WORLD_SIZE"]),)))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(2, 64, generator=torch.Generator().manual_seed(1))).backward()
     opt.step()
     opt.zero_grad()
     return model, opt
@@ -99,7 +129,7 @@ def worker() -> None:
     assemble._pread_into = counting
 
     if args.get("reshard_from"):  # restore the 4-rank store checkpoint on this (smaller) world
-        model, opt = build(args["params_m"])
+        model, opt = build(args["params_m"], args.get("experts", 0))
         with CheckpointStore(args["reshard_from"], read_only=True) as store:
             store.restore(into={"model": model, "optim": opt})
         out["read"] = counted[0]
@@ -109,9 +139,10 @@ def worker() -> None:
         dist.destroy_process_group()
         return
 
-    model, opt = build(args["params_m"])
+    model, opt = build(args["params_m"], args.get("experts", 0))
     local = local_tensors(model.state_dict()) + local_tensors(opt.state_dict()["state"])
     out["bytes"] = sum(t.numel() * t.element_size() for t in local)
+    out["pieces"] = len(local)
     buffers = [torch.empty_like(t) for t in local]
     times: dict[str, list[float]] = {}
 
@@ -200,19 +231,23 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--params-m", type=float, default=40.0)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--experts", type=int, default=0,
+                   help="instead of the GPT shape, N small experts (many pieces per rank; 2 ranks only)")
     p.add_argument("--dir", default=None, help="scratch directory on the disk to measure (default: a temp dir)")
     args = p.parse_args()
     from common import median, table
     root = Path(tempfile.mkdtemp(prefix="bench_dcp-", dir=args.dir))
     try:
-        for world in (2, 4):
+        for world in (2,) if args.experts else (2, 4):
             directory = root / f"w{world}"
-            outs = launch(world, {"dir": str(directory), "params_m": args.params_m, "repeats": args.repeats})
+            outs = launch(world, {"dir": str(directory), "params_m": args.params_m, "repeats": args.repeats,
+                                  "experts": args.experts})
             total = sum(o["bytes"] for o in outs)
             slowest = {name: [max(o["times"][name][i] for o in outs) for i in range(args.repeats)]
                        for name in outs[0]["times"]}  # a collective op takes as long as its slowest rank
             m = {name: median(v) for name, v in slowest.items()}
-            print(f"\n{world} ranks, state {total / 1e6:.0f} MB (params + AdamW m, v), "
+            pieces = f", {outs[0]['pieces']} tensors per rank" if args.experts else ""
+            print(f"\n{world} ranks, state {total / 1e6:.0f} MB (params + AdamW m, v){pieces}, "
                   f"median of {args.repeats} interleaved repeats")
             rows = [(name, f"{m[name] * 1000:.0f} ms", f"{total / m[name] / 1e9:.2f} GB/s") for name in m]
             print(table(rows, ("operation", "time", "throughput")))
