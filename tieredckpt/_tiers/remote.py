@@ -326,8 +326,11 @@ class RemoteTier:
         ``objects/``: a commit costs the same whatever the run's kept steps hold.
         """
         wanted = {part.path: part.stored_size for f in files for part in f.parts}
-        with ThreadPoolExecutor(max(1, self.concurrency), thread_name_prefix="tieredckpt-confirm") as pool:
+        pool = ThreadPoolExecutor(max(1, self.concurrency), thread_name_prefix="tieredckpt-confirm")
+        try:
             found = dict(zip(wanted, pool.map(self.t.size, wanted)))
+        finally:  # on a failed lookup (a remote gone down) the queued ones are not tried one by one
+            pool.shutdown(wait=True, cancel_futures=True)
         missing = [(f.path, part.offset, part.path) for f in files for part in f.parts
                    if found[part.path] != part.stored_size]
         if missing:

@@ -348,19 +348,18 @@ class Transport:
             return None
 
     def exists(self, rel: str) -> bool:
-        try:
-            self._call("info", (self.path(rel),), f"look up {rel}", fresh=rel)
-            return True
-        except RemoteNotFoundError:
-            return False
+        return self._info(rel) is not None
 
     def size(self, rel: str) -> int | None:
         """The stored size of one object (one HEAD on S3), None when it does not exist."""
+        info = self._info(rel)
+        return None if info is None or info.get("type", "file") == "directory" else int(info.get("size") or 0)
+
+    def _info(self, rel: str) -> dict | None:
         try:
-            info = self._call("info", (self.path(rel),), f"look up {rel}", fresh=rel)
+            return self._call("info", (self.path(rel),), f"look up {rel}", fresh=rel)
         except RemoteNotFoundError:
             return None
-        return None if info.get("type", "file") == "directory" else int(info.get("size") or 0)
 
     def list_dirs(self, rel: str = "") -> list[str]:
         """Names of the entries directly under ``rel`` (one delimiter listing, paged by the backend)."""
