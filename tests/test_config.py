@@ -119,3 +119,84 @@ def test_storage_options_and_fs_are_fsspec_names_for_remote_options_and_remote_f
         CheckpointStore(tmp_path / "c", remote, storage_options={}, remote_options={})
     with pytest.raises(ValueError, match=r"needs remote="):
         CheckpointStore(tmp_path / "d", fs=memfs)
+
+
+def _store_options() -> dict:
+    import inspect
+    params = inspect.signature(CheckpointStore.__init__).parameters
+    return {n: p.default for n, p in params.items() if n != "self"}
+
+
+def test_a_config_holds_every_store_option_a_file_can_hold_with_the_same_default():
+    from dataclasses import MISSING, fields
+
+    from tieredckpt._loop.config import NOT_IN_FILES
+    options = _store_options()
+    held = {f.name: (f.default_factory() if f.default_factory is not MISSING else f.default) for f in fields(StoreConfig)}
+    assert set(held) == set(options) - set(NOT_IN_FILES)  # both ways: a new option needs a config field
+    for name, default in held.items():
+        if name == "remote_options":
+            assert options[name] is None and default == {}
+        elif name != "local":
+            assert default == options[name], name
+
+
+# One value for every option a file can hold, none of them the default.
+EVERY_OPTION = """
+[checkpoint]
+local = "{run}"
+remote = "file://{remote}"
+every = 7
+keep_local = 4
+verify = "sha256"
+keep_remote = {{ last = 2, every = 1000 }}
+compression = "zstd"
+compression_level = 3
+uploads = "all"
+max_pending_uploads = 5
+upload_backoff = [0.25, 5.0, 30.0]
+request_timeout = 30.0
+audit_interval = 120.0
+upload_part_size = 8388608
+close_timeout = "none"
+exit_timeout = 3.0
+upload_on_exit = 10.0
+on_save_error = "warn"
+read_only = false
+takeover = true
+allow_unfenced = true
+distributed = false
+stall_budget = 0.05
+overlap = true
+orphan_grace = "none"
+[checkpoint.storage_options]
+auto_mkdir = true
+"""
+
+
+def test_every_option_round_trips_from_toml_into_the_store(tmp_path):
+    path = tmp_path / "train.toml"
+    path.write_text(EVERY_OPTION.format(run=tmp_path / "run", remote=tmp_path / "remote"))
+    cfg = StoreConfig.load(path)
+    defaults = StoreConfig(local="x")
+    changed = {k for k, v in cfg.store_kwargs().items() if v != getattr(defaults, k)}
+    assert changed == set(cfg.store_kwargs()) - {"read_only"}  # the file set every one (read_only=false is the default)
+    assert cfg.remote_options == {"auto_mkdir": True} and cfg.close_timeout is None and cfg.orphan_grace is None
+    assert cfg.upload_backoff == (0.25, 5.0, 30.0) and cfg.keep_remote == AnyOf(KeepLast(2), KeepEvery(1000))
+    with CheckpointStore.from_config(path) as store:  # the store takes every one of them
+        assert (store.every, store.keep_local, store.verify, store.on_save_error) == (7, 4, "sha256", "warn")
+        assert store.overlap is True and store.close_timeout is None and store.upload_on_exit == 10.0
+        store.save(7, {"w": torch.ones(3)}).wait()
+        assert store.wait(uploads=True, timeout=60)
+        assert store.remote.steps() == [7]
+
+
+def test_every_option_can_come_from_the_environment():
+    env = {"TIEREDCKPT_LOCAL": "/nvme/run", "TIEREDCKPT_REMOTE": "s3://b/run", "TIEREDCKPT_KEEP_LOCAL": "5",
+           "TIEREDCKPT_KEEP_REMOTE": '{"last": 3}', "TIEREDCKPT_TAKEOVER": "true", "TIEREDCKPT_VERIFY": "sha256",
+           "TIEREDCKPT_ORPHAN_GRACE": "none", "TIEREDCKPT_DEBUG": "1", "HOME": "/root"}
+    cfg = StoreConfig.from_env(env)
+    assert (cfg.local, cfg.remote, cfg.keep_local, cfg.keep_remote) == ("/nvme/run", "s3://b/run", 5, KeepLast(3))
+    assert cfg.takeover is True and cfg.verify == "sha256" and cfg.orphan_grace is None
+    with pytest.raises(ValueError, match=r"the environment \(TIEREDCKPT_\*\): unknown checkpoint settings \['evry'\]"):
+        StoreConfig.from_env({"TIEREDCKPT_LOCAL": "x", "TIEREDCKPT_EVRY": "5"})

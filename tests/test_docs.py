@@ -64,3 +64,78 @@ def test_the_readme_is_short_and_opens_with_the_two_commands():
     commands = [line.strip() for line in readme[:20] if line.startswith("    python3 -m venv")]
     ci = (ROOT / ".ci" / "run").read_text()
     assert len(commands) == 2 and commands[1] in ci and "examples/train_tiny_lm.py" in commands[0]
+
+
+# The options a user sets: every named parameter of these has a ``:param name:`` entry (a row of
+# the reference's table, with its type and default from the signature).
+OPTIONS_OF = ("tieredckpt.CheckpointStore", "tieredckpt.StoreConfig", "tieredckpt.dcp.TieredWriter",
+              "tieredckpt.dcp.TieredReader", "tieredckpt.hf.TieredCheckpointCallback",
+              "tieredckpt.lightning.TieredCheckpointIO")
+INTEGRATIONS = (tieredckpt.dcp, tieredckpt.hf, tieredckpt.lightning)
+
+
+def _ours(obj) -> bool:
+    return getattr(obj, "__module__", "").startswith("tieredckpt")
+
+
+def _is_framework_hook(cls, name: str) -> bool:
+    """A method the framework calls (Lightning's, transformers', DCP's), not the user: it
+    overrides one of a base class from outside tieredckpt."""
+    return any(name in vars(base) for base in cls.__mro__[1:] if not _ours(base))
+
+
+def public_methods() -> list[tuple[str, object]]:
+    out = []
+    for qualified, cls in public_names():
+        if not inspect.isclass(cls) or issubclass(cls, BaseException):
+            continue
+        for name, value in vars(cls).items():
+            func = value.__func__ if isinstance(value, (classmethod, staticmethod)) else value
+            func = func.fget if isinstance(func, property) else func
+            if not name.startswith("_") and callable(func) and not _is_framework_hook(cls, name):
+                out.append((f"{qualified}.{name}", func))
+    return out
+
+
+def _named_params(func) -> list[str]:
+    return [n for n, p in inspect.signature(func).parameters.items()
+            if n not in ("self", "cls") and p.kind is not p.VAR_POSITIONAL]
+
+
+def documented_callables() -> list[tuple[str, object, str]]:
+    """Every option-taking callable a user calls: the classes above (their ``__init__``), the
+    store's public methods, the integrations' own functions and methods."""
+    named = dict(public_names())
+    out = []
+    for qualified in OPTIONS_OF:
+        cls = named[qualified]
+        out.append((qualified, cls, (cls.__doc__ or "") + (vars(cls).get("__init__").__doc__ or "")))
+    for qualified, func in public_methods():
+        if qualified.startswith(("tieredckpt.CheckpointStore.", *(m.__name__ + "." for m in INTEGRATIONS))):
+            out.append((qualified, func, func.__doc__ or ""))
+    for module in INTEGRATIONS:
+        out += [(f"{module.__name__}.{n}", f, f.__doc__ or "") for n in module.__all__
+                if inspect.isfunction(f := getattr(module, n))]
+    return out
+
+
+@pytest.mark.parametrize("name, func, doc", documented_callables(), ids=[n for n, _, _ in documented_callables()])
+def test_every_option_has_an_entry_of_its_own_in_the_reference(name, func, doc):
+    missing = [p for p in _named_params(func) if f":param {p}:" not in doc]
+    assert not missing, f"{name}: no ':param' entry for {missing}"
+
+
+@pytest.mark.parametrize("name, func", public_methods(), ids=[n for n, _ in public_methods()])
+def test_every_public_method_has_a_docstring_and_a_place_in_the_reference(site, name, func):
+    assert (func.__doc__ or "").strip(), f"{name} has no docstring"
+    page = (site / "api" / "index.html").read_text()
+    assert f'id="{name}"' in page, f"{name} is not rendered in the API reference"
+
+
+def test_no_public_docstring_points_at_a_private_name():
+    private = re.compile(r"``_(?!_)\w+|\b_(?:loop|tiers|format|cli)\b|\w\._[a-z]\w*")
+    docs = [(n, inspect.getdoc(o) or "") for n, o in public_names()] + \
+           [(n, f.__doc__ or "") for n, f in public_methods()] + \
+           [(n, d) for n, _, d in documented_callables()]
+    found = {n: private.findall(d) for n, d in docs if private.search(d)}
+    assert not found, found

@@ -9,6 +9,7 @@ import signal
 import uuid
 from pathlib import Path
 
+import pytest
 import torch
 from conftest import signal_training
 from hf_run import run
@@ -271,3 +272,13 @@ def test_the_documented_snippet_runs_as_written_on_a_first_run_and_on_a_wiped_ma
     again, resumed_from = script(10)
     assert resumed_from == str(tmp_path / "out" / "checkpoint-5") and again.state.global_step == 10
     assert RemoteTier(url, options).steps()[-1] == 10
+
+
+def test_remote_and_local_are_keywords_and_the_old_positional_order_still_works_with_a_warning(tmp_path):
+    cb = TieredCheckpointCallback(remote="s3://b/run", local=tmp_path / "x", keep_local=2)
+    assert (cb.remote, cb.local, cb.options) == ("s3://b/run", tmp_path / "x", {"keep_local": 2})
+    with pytest.warns(DeprecationWarning, match=r"pass remote=\.\.\. and local=\.\.\. by keyword"):
+        old = TieredCheckpointCallback("s3://b/run", tmp_path / "x")
+    assert (old.remote, old.local) == ("s3://b/run", tmp_path / "x")
+    with pytest.raises(TypeError, match="as keywords"):
+        TieredCheckpointCallback("s3://b/run", remote="s3://b/other")

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 import uuid
+import warnings
 from pathlib import Path
 
 import lightning as L
@@ -280,3 +281,21 @@ def test_a_fifo_under_a_checkpoint_name_is_not_ours_and_never_waited_on(tmp_path
     assert read_pointer(fifo) is None  # open() of a FIFO would block until a writer came
     with pytest.raises(UnsupportedStateError, match="not a tieredckpt checkpoint"):
         TieredCheckpointIO(tmp_path / "store").load_checkpoint(fifo)
+
+
+def test_lightnings_own_model_checkpoint_starting_over_on_a_fresh_machine_is_named_with_the_fix(tmp_path):
+    remote = f"file://{tmp_path / 'remote'}"
+    root = tmp_path / "root"
+    own = L.pytorch.callbacks.ModelCheckpoint(every_n_train_steps=4, save_last=True)
+    run(root, 2, [TieredCheckpointIO(remote=remote, uploads="all")], [own])  # steps 4..16 on the remote
+    shutil.rmtree(root)  # a fresh machine: Lightning's ModelCheckpoint finds no last.ckpt and starts at 0
+    again = L.pytorch.callbacks.ModelCheckpoint(every_n_train_steps=4, save_last=True)
+    with pytest.warns(RuntimeWarning, match=r"saves step 4, but the store already holds step 16: it started over.*"
+                                            r"TieredModelCheckpoint in place of ModelCheckpoint"):
+        trainer, _ = run(root, 1, [TieredCheckpointIO(remote=remote)], [again], ckpt_path="last")
+    assert trainer.global_step == 8  # it did start over: what the warning is there to say
+    shutil.rmtree(root)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*started over.*")
+        resumed, _ = run(root, 3, [TieredCheckpointIO(remote=remote)], [checkpointing()], ckpt_path="last")
+    assert resumed.global_step == 24  # the tiered callback resumed from step 16: no warning

@@ -27,6 +27,7 @@ import os
 import re
 import shutil
 import threading
+import warnings
 from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -117,26 +118,48 @@ def prepare_resume(output_dir: str | os.PathLike, remote: str | None = None, loc
     """Bring the newest step of the run back into ``output_dir/checkpoint-N/`` (from the local
     store or the remote) so that ``trainer.train(resume_from_checkpoint=True)`` finds it; the
     callback does this by itself when the Trainer is built. Returns the folder, or None when
-    no tier holds a step."""
+    no tier holds a step.
+
+    :param output_dir: the Trainer's ``output_dir``.
+    :param remote: the store's remote URL.
+    :param local: the store's run directory (default ``output_dir/.tieredckpt``).
+    :param store_options: passed to the store."""
     with _store(output_dir, remote, local, store_options) as store:
         set_aside_incomplete(Path(output_dir), store.latest_step())
         return _restore_newest(store, Path(output_dir))
+
+
+def _legacy_order(legacy: tuple, remote: Any, local: Any) -> tuple[Any, Any]:
+    """``TieredCheckpointCallback("s3://b/run", "/nvme/x")``: the older positional order, (remote, local)."""
+    if len(legacy) > 2 or (remote is not None and legacy) or (local is not None and len(legacy) > 1):
+        raise TypeError("TieredCheckpointCallback takes remote= and local= as keywords (given twice, or too many arguments)")
+    warnings.warn("TieredCheckpointCallback(remote, local) by position is deprecated: pass remote=... and local=... "
+                  "by keyword (the same keywords as CheckpointStore and TieredCheckpointIO)",
+                  DeprecationWarning, stacklevel=3)
+    return legacy[0], (legacy[1] if len(legacy) > 1 else local)
 
 
 class TieredCheckpointCallback(TrainerCallback):
     """Put every checkpoint a ``transformers.Trainer`` saves on the tiers, and bring the newest
     back on a machine that lacks it.
 
-    ``remote``: any fsspec URL (None: local tier only). ``local``: the store's run directory
-    (default ``output_dir/.tieredckpt``; keep it on ``output_dir``'s filesystem so the
-    Trainer's files are hard-linked, not copied). ``restore``: bring the newest step back
-    into ``output_dir`` when the Trainer is built. ``store_options``: passed to
-    :class:`~tieredckpt.CheckpointStore` (``keep_local``, ``keep_remote``, ``remote_options``...).
     In a multi-process run the main process owns the store; every process waits for the
-    others before it commits (their per-rank files are in the folder then)."""
+    others before it commits (their per-rank files are in the folder then).
 
-    def __init__(self, remote: str | None = None, local: str | os.PathLike | None = None, *,
+    :param remote: any fsspec URL (None: the local tier only).
+    :param local: the store's run directory (default ``output_dir/.tieredckpt``).
+    :param restore: bring the newest step back into ``output_dir`` when the Trainer is built,
+        so that ``resume_from_checkpoint=callback.resume_path()`` finds it.
+    :param store_options: passed to :class:`~tieredckpt.CheckpointStore` (``keep_local``,
+        ``keep_remote``, ``remote_options``, ``upload_on_exit``...).
+
+    ``remote`` and ``local`` are keywords, as in every entry point of tieredckpt; the old
+    positional order ``(remote, local)`` still works, with a DeprecationWarning."""
+
+    def __init__(self, *legacy: Any, remote: str | None = None, local: str | os.PathLike | None = None,
                  restore: bool = True, **store_options: Any) -> None:
+        if legacy:
+            remote, local = _legacy_order(legacy, remote, local)
         self.remote, self.local, self.restore, self.options = remote, local, restore, store_options
         self.store: CheckpointStore | None = None
         self.requests = Requests()
@@ -276,7 +299,14 @@ def save_state(accelerator: Accelerator, store: CheckpointStore | None, step: in
     automatic checkpoint naming, the folder is a scratch directory the store's step replaces
     (hard-linked: nothing else writes there). A folder of the caller's, or accelerate's own
     ``checkpoint_N``, is copied (reflinked where the filesystem can): accelerate rewrites a
-    fixed folder's files in place at the next save, and the committed step must not change."""
+    fixed folder's files in place at the next save, and the committed step must not change.
+
+    :param accelerator: the ``accelerate.Accelerator``.
+    :param store: the main process's ``CheckpointStore`` (None on the others).
+    :param step: the step number.
+    :param output_dir: the folder ``save_state`` writes (default: a scratch directory).
+    :param save_kwargs: passed to ``accelerator.save_state``.
+    :returns: the main process's ``SaveHandle`` (None on the others)."""
     naming = accelerator.project_configuration.automatic_checkpoint_naming
     scratch = None
     if output_dir is None and not naming:
@@ -297,7 +327,12 @@ def save_state(accelerator: Accelerator, store: CheckpointStore | None, step: in
 def load_state(accelerator: Accelerator, store: CheckpointStore, step: int | None = None, **load_kwargs: Any) -> int | None:
     """The newest (or named) step of ``store`` loaded with ``accelerator.load_state``; the step, or
     None when the run has none. One process per node restores the folder; with automatic
-    checkpoint naming the next save continues the iteration count."""
+    checkpoint naming the next save continues the iteration count.
+
+    :param accelerator: the ``accelerate.Accelerator``.
+    :param store: the ``CheckpointStore``.
+    :param step: the step (default: the newest).
+    :param load_kwargs: passed to ``accelerator.load_state``."""
     target = store.local.root / f".accelerate-restore-{os.getpid()}"
     restored = None
     try:

@@ -48,7 +48,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from ._format.atomic import atomic_write_bytes, fsync_dir, fsync_file
 from ._loop.signals import Requests
 from ._loop.store import CheckpointStore, SaveHandle
-from .errors import CheckpointNotFoundError, RemoteNotFoundError, UnsupportedStateError
+from .errors import CheckpointNotFoundError, RemoteError, RemoteNotFoundError, UnsupportedStateError, warn_user
 
 if TYPE_CHECKING:
     from lightning.pytorch import LightningModule, Trainer
@@ -198,11 +198,16 @@ def read_pointer(path: Path) -> int | None:
 class TieredCheckpointIO(CheckpointIO):
     """Lightning's checkpoints through a :class:`~tieredckpt.CheckpointStore`.
 
-    ``local``: the store's run directory (default: ``.tieredckpt`` inside the directory of the
-    first checkpoint path Lightning passes). ``remote``: any fsspec URL. ``drop_unsupported``:
-    leave values that cannot be stored without pickle out of the checkpoint, with a warning,
-    instead of refusing the save. ``store_options``: passed to the store (``keep_local``,
-    ``keep_remote``, ``remote_options``...)."""
+    Use it with :class:`TieredModelCheckpoint` in place of Lightning's ``ModelCheckpoint``:
+    only that one finds the store's steps on a machine whose checkpoint directory is empty.
+
+    :param local: the store's run directory (default: ``.tieredckpt`` inside the directory of
+        the first checkpoint path Lightning passes).
+    :param remote: any fsspec URL (None: the local tier only).
+    :param drop_unsupported: leave values that cannot be stored without pickle out of the
+        checkpoint, with a warning, instead of refusing the save.
+    :param store_options: passed to :class:`~tieredckpt.CheckpointStore` (``keep_local``,
+        ``keep_remote``, ``remote_options``...)."""
 
     def __init__(self, local: str | os.PathLike | None = None, remote: str | None = None, *,
                  drop_unsupported: bool = False, **store_options: Any) -> None:
@@ -211,10 +216,14 @@ class TieredCheckpointIO(CheckpointIO):
         self.store: CheckpointStore | None = None
         self.requests = Requests()
         self._handle: SaveHandle | None = None
+        self._checked_start = False
 
     def store_for(self, directory: str | os.PathLike, distributed: bool = False) -> CheckpointStore:
         """The store (opened on first use) for checkpoints in ``directory``: rank 0 writes and the
-        other ranks read, or, ``distributed`` (TieredModelParallelStrategy), every rank writes its shard."""
+        other ranks read, or, ``distributed`` (TieredModelParallelStrategy), every rank writes its shard.
+
+        :param directory: the directory of Lightning's checkpoint paths.
+        :param distributed: every rank writes its own shard."""
         if self.store is None or self.store._closed:
             self.store = CheckpointStore(self._local(directory), self.remote, **{
                 "every": 0, "distributed": distributed, "read_only": not distributed and _rank() != 0,
@@ -229,6 +238,9 @@ class TieredCheckpointIO(CheckpointIO):
         store = self.store_for(path.parent)
         plain = to_plain(checkpoint, self.drop_unsupported)
         step = int(checkpoint.get("global_step", 0))
+        if not self._checked_start:
+            self._checked_start = True
+            _warn_if_started_over(store, step)
         if step not in store.local.steps() and not self._is_pending(step):
             self._handle = store.save(step, plain, user=lightning_user(checkpoint, path))
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -260,12 +272,15 @@ class TieredCheckpointIO(CheckpointIO):
         return from_plain(state)
 
     def remove_checkpoint(self, path: str | os.PathLike) -> None:
-        """Remove Lightning's pointer; the store's retention decides what data goes."""
+        """Remove Lightning's pointer; the store's retention decides what data goes.
+
+        :param path: the checkpoint path Lightning names."""
         path = Path(path)
         if path.is_symlink() or (path.is_file() and read_pointer(path) is not None):
             path.unlink()
 
     def wait(self) -> None:
+        """Block until the pending save is committed (raises what failed)."""
         handle, self._handle = self._handle, None
         if handle is not None:
             handle.wait()
@@ -282,7 +297,11 @@ class TieredCheckpointIO(CheckpointIO):
         rank (Lightning resolves ``ckpt_path`` on each, before the process group exists): a reader
         lists the tiers, and ranks writing the same pointer each replace it atomically.
         ``drop_uncommitted`` (a run about to resume, no save of its own pending): remove pointers
-        to steps newer than any tier holds, left by a save killed before its commit."""
+        to steps newer than any tier holds, left by a save killed before its commit.
+
+        :param directory: Lightning's checkpoint directory.
+        :param drop_uncommitted: see above.
+        :returns: the pointers written."""
         return self._restore(Path(directory), drop_uncommitted)[0]
 
     def _restore(self, directory: Path, drop_uncommitted: bool) -> tuple[list[Path], dict[int, dict]]:
@@ -309,6 +328,22 @@ class TieredCheckpointIO(CheckpointIO):
             except RemoteNotFoundError:  # a file:// remote the first save will create: nothing there yet
                 continue
         return nullcontext(None)
+
+
+def _warn_if_started_over(store: CheckpointStore, step: int) -> None:
+    """Warn when the first save of a process is of a step older than the newest the tiers hold:
+    the run started over instead of resuming, which is what Lightning's own ``ModelCheckpoint``
+    does on a machine whose checkpoint directory is empty."""
+    if store.read_only:
+        return
+    try:
+        newest = store.latest_step()
+    except RemoteError:  # the remote's own warnings say so; this is only a hint
+        return
+    if newest is not None and newest > step:
+        warn_user(f"{store.local.root}: this run saves step {step}, but the store already holds step {newest}: "
+                  "it started over instead of resuming. To resume from the store on any machine, use "
+                  "tieredckpt.lightning.TieredModelCheckpoint in place of ModelCheckpoint and fit(..., ckpt_path=\"last\")")
 
 
 def _drop_newer(directory: Path, newest: int | None) -> None:
@@ -387,7 +422,13 @@ def _rank() -> int:
 def load_checkpoint(path: str | os.PathLike, local: str | os.PathLike | None = None, remote: str | None = None,
                     **store_options: Any) -> dict:
     """The checkpoint dict a pointer names (what ``torch.load`` of a ``.ckpt`` would give), for
-    code that reads checkpoints outside a Trainer: ``Model.load_state_dict(ckpt["state_dict"])``."""
+    code that reads checkpoints outside a Trainer: ``Model.load_state_dict(ckpt["state_dict"])``.
+
+    :param path: the ``.ckpt`` pointer (it need not exist on this machine's disk: the store's
+        steps are found on the remote too).
+    :param local: the store's run directory (default: ``.tieredckpt`` beside ``path``).
+    :param remote: the store's remote URL.
+    :param store_options: passed to the store (``remote_options``...)."""
     io = TieredCheckpointIO(local, remote, read_only=True, **store_options)
     try:
         return io.load_checkpoint(path)
@@ -412,7 +453,10 @@ class TieredModelCheckpoint(ModelCheckpoint):
         """The best checkpoint any tier holds by this callback's ``monitor`` and ``mode`` (the
         scores recorded when each was saved), its pointer written back; also sets
         ``best_model_path``, so ``ckpt_path="best"`` works after it, in a process that never
-        trained: ``trainer.test(model, ckpt_path=checkpoint.find_best(trainer))``."""
+        trained: ``trainer.test(model, ckpt_path=checkpoint.find_best(trainer))``.
+
+        :param trainer: the Trainer whose strategy has ``TieredCheckpointIO`` as its plugin.
+        :returns: the best checkpoint's path."""
         if self.monitor is None:
             raise ValueError("find_best ranks checkpoints by a score: use TieredModelCheckpoint(monitor=...)")
         directory = Path(self._ModelCheckpoint__resolve_ckpt_dir(trainer))

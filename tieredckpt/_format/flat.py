@@ -41,6 +41,7 @@ class FlatCheckpoint:
 
     @property
     def n_params(self) -> int:
+        """The number of parameters (of ``weights``)."""
         return self.weights.numel()
 
 

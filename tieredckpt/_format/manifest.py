@@ -63,6 +63,7 @@ class ShardManifest:
     # "files": a folder of ordinary files, one per entry of ``shards`` (rank = its index)
 
     def to_json(self) -> str:
+        """The manifest as written to disk: JSON with its canonical digest."""
         raw = asdict(self)
         raw[DIGEST_KEY] = canonical_digest(raw)
         return json.dumps(raw, indent=1, sort_keys=False)
@@ -80,6 +81,7 @@ class ShardManifest:
 
     @property
     def total_size(self) -> int:
+        """The bytes of all shards."""
         return sum(s.size for s in self.shards)
 
 

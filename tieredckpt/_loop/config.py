@@ -25,15 +25,59 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from .._tiers.retention import AnyOf, KeepEvery, KeepLast, Policy
 
+# The options a file cannot hold: functions and filesystem objects (pass them to from_config).
+NOT_IN_FILES = ("on_upload_error", "on_stats", "remote_fs", "fs", "storage_options")
+# Options whose value may be None; in a file (TOML has no null) the string "none" says so.
+_NONE_OK = ("remote", "keep_remote", "compression", "max_pending_uploads", "close_timeout",
+            "distributed", "orphan_grace")
+ENV_PREFIX = "TIEREDCKPT_"
+
 
 @dataclass(frozen=True)
 class StoreConfig:
+    """The checkpoint section of a training config, as a file holds it: every option of
+    ``CheckpointStore`` but its functions and filesystem objects, under the same name and with
+    the same default (a test holds the two together). In a file, ``"none"`` stands for None,
+    ``keep_remote`` is a table (``{ last = 5, every = 10000 }``), ``upload_backoff`` a list,
+    ``storage_options`` is accepted for ``remote_options``, and ``${NAME}`` in a string is the
+    environment variable NAME.
+
+    :param local: the run directory (required).
+    :param remote: the remote's fsspec URL.
+    :param remote_options: the remote filesystem's options (a table).
+    :param every: the save interval in steps.
+    :param keep_local: committed steps kept on local disk.
+    :param keep_remote: a table with ``last`` and/or ``every``.
+    :param compression: "zstd-dtype", "zstd-planes", "zstd" or "none".
+    :param compression_level: the zstd level.
+    :param max_pending_uploads: with ``uploads = "all"``, steps that may wait before save blocks.
+    :param uploads: "newest" or "all".
+    :param stall_budget: the share of time save() may block before a warning.
+    :param exit_timeout: seconds close() spends on the remote at the end.
+    :param upload_on_exit: seconds close() spends uploading the step saved on SIGTERM.
+    :param on_save_error: "raise" or "warn".
+    :param allow_unfenced: open where the server ignores conditional writes.
+    :param verify: "crc", "sha256" or "none".
+    :param upload_backoff: ``[first, cap, slow]`` seconds between upload retries.
+    :param request_timeout: seconds per remote request, plus one per MB.
+    :param audit_interval: seconds between an idle uploader's checks of the remote.
+    :param upload_part_size: bytes per uploaded part.
+    :param close_timeout: seconds close() waits for pending uploads.
+    :param read_only: open as a reader.
+    :param takeover: take the remote's lease from a writer that still holds it.
+    :param distributed: one shard per rank ("none": when a process group is initialized).
+    :param overlap: the default of ``save(..., overlap=)``.
+    :param orphan_grace: seconds before orphaned remote objects are deleted.
+
+    Each is described in full under ``CheckpointStore``."""
+
     local: str
     remote: str | None = None
     remote_options: dict = field(default_factory=dict)
@@ -49,27 +93,57 @@ class StoreConfig:
     upload_on_exit: float = 20.0
     on_save_error: str = "raise"
     allow_unfenced: bool = False
+    verify: str = "crc"
+    upload_backoff: tuple[float, ...] = (0.5, 10.0, 60.0)
+    request_timeout: float = 60.0
+    audit_interval: float = 60.0
+    upload_part_size: int = 64 << 20
+    close_timeout: float | None = 600.0
+    read_only: bool = False
+    takeover: bool = False
+    distributed: bool | None = None
+    overlap: bool = False
+    orphan_grace: float | None = 3600.0
 
     def store_kwargs(self) -> dict[str, Any]:
+        """The options as ``CheckpointStore``'s keyword arguments."""
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
     @classmethod
     def from_dict(cls, raw: dict, source: str = "config") -> StoreConfig:
+        """A config from the checkpoint section as a dict (``source`` names it in errors)."""
         if not isinstance(raw, dict):
             raise ValueError(f"{source}: the checkpoint section must be a table/mapping")
         raw = _expand(raw, source)
+        if "storage_options" in raw:  # fsspec's name for remote_options
+            if "remote_options" in raw:
+                raise ValueError(f"{source}: give remote_options or storage_options, not both (one is the other's alias)")
+            raw["remote_options"] = raw.pop("storage_options")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(raw) - known)
         if unknown:
             raise ValueError(f"{source}: unknown checkpoint settings {unknown} (known: {sorted(known)})")
         if "local" not in raw:
             raise ValueError(f"{source}: 'local' (the run directory) is required")
-        values = dict(raw)
-        if values.get("compression") in ("none", "raw"):
+        values: dict[str, Any] = {k: None if k in _NONE_OK and v == "none" else v for k, v in raw.items()}
+        if values.get("compression") == "raw":
             values["compression"] = None
         if "keep_remote" in values:
             values["keep_remote"] = _policy(values["keep_remote"], source)
+        if isinstance(values.get("upload_backoff"), list):
+            values["upload_backoff"] = tuple(values["upload_backoff"])
         return cls(**values)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, prefix: str = ENV_PREFIX) -> StoreConfig:
+        """A config from environment variables: ``TIEREDCKPT_LOCAL``, ``TIEREDCKPT_REMOTE``,
+        ``TIEREDCKPT_KEEP_LOCAL=5``, ... (the option's name in capitals after ``prefix``). A value
+        that parses as JSON is that value (numbers, true/false, tables as ``{"last": 5}``),
+        anything else a string."""
+        source = os.environ if environ is None else environ
+        raw = {name[len(prefix):].lower(): _json_or_text(value) for name, value in source.items()
+               if name.startswith(prefix) and name != prefix + "DEBUG"}
+        return cls.from_dict(raw, f"the environment ({prefix}*)")
 
     @classmethod
     def load(cls, path: str | os.PathLike, section: str = "checkpoint") -> StoreConfig:
@@ -94,6 +168,14 @@ class StoreConfig:
         if section not in (doc or {}):
             raise ValueError(f"{path}: no [{section}] section")
         return cls.from_dict(doc[section], f"{path} [{section}]")
+
+
+def _json_or_text(value: str) -> Any:
+    import json
+    try:
+        return json.loads(value)
+    except ValueError:
+        return value
 
 
 def _policy(raw: Any, source: str) -> Policy | None:

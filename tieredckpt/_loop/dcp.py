@@ -63,7 +63,13 @@ def _done(value: Any) -> torch.futures.Future:
 
 
 class TieredWriter(StorageWriter):
-    """A DCP storage writer that commits into ``store`` as step ``step`` (see module doc)."""
+    """A DCP storage writer that commits into ``store`` as step ``step``: made by
+    ``store.dcp_writer(step)``, passed to ``dcp.save`` or ``dcp.async_save`` on every rank.
+
+    :param store: the ``CheckpointStore``.
+    :param step: the step number.
+    :param extra: a plain tree kept beside this rank's entries (``read_extra`` returns it).
+    :param user: JSON metadata for the manifest."""
 
     def __init__(self, store: StoreParts, step: int, extra: Any = None, user: dict | None = None) -> None:
         super().__init__()
@@ -123,7 +129,11 @@ class TieredWriter(StorageWriter):
 
 
 class TieredReader(StorageReader):
-    """A DCP storage reader of ``store``'s step ``step`` (the newest on any tier when None)."""
+    """A DCP storage reader of ``store``'s step ``step``: made by ``store.dcp_reader()``,
+    passed to ``dcp.load``.
+
+    :param store: the ``CheckpointStore``.
+    :param step: the step (default: the newest on any tier)."""
 
     def __init__(self, store: StoreParts, step: int | None = None) -> None:
         super().__init__()

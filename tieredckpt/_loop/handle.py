@@ -33,6 +33,7 @@ class SaveHandle:
         self._hold = hold
 
     def done(self) -> bool:
+        """Whether the background write has finished (committed or failed)."""
         return self._future.done()
 
     def wait_copied(self, timeout: float | None = None) -> bool:

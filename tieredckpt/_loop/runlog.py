@@ -63,6 +63,7 @@ class LossHistory:
         return out
 
     def events(self, kind: str | None = None) -> list[dict]:
+        """The history's events (resume, pivot, fork), or those of one ``kind``."""
         return [e for e in self.entries if "event" in e and (kind is None or e["event"] == kind)]
 
 
@@ -80,9 +81,11 @@ class RunLog:
     # ---- loss history: append-only ------------------------------------------------
 
     def append_loss(self, step: int, loss: float, **extra: Any) -> None:
+        """Append one loss entry (one ``O_APPEND`` write; a torn last line is never glued onto)."""
         self._append({"step": step, "loss": float(loss), **extra})
 
     def mark_resume(self, step: int) -> None:
+        """Record that the run resumed from ``step`` (the steps after it are replayed)."""
         self._append({"event": "resume", "step": step, "unix": time.time()})
 
     def _append(self, entry: dict) -> None:
@@ -105,6 +108,7 @@ class RunLog:
             os.fsync(self._fd)
 
     def read_loss(self) -> LossHistory:
+        """The loss history as written; torn lines are counted, not raised."""
         history = LossHistory()
         try:
             with open(self.root / LOSS, "rb") as f:
@@ -122,6 +126,7 @@ class RunLog:
         return history
 
     def close(self) -> None:
+        """Close the history's file (the store does it at close)."""
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
@@ -129,15 +134,19 @@ class RunLog:
     # ---- samples and bandit state: atomic small documents ---------------------------
 
     def write_samples(self, samples: Any) -> None:
+        """Replace the run's samples document (JSON), atomically."""
         atomic_write_bytes(self.root / SAMPLES, json.dumps(samples, indent=1).encode())
 
     def read_samples(self, default: Any = None) -> Any:
+        """The run's samples document, or ``default`` when there is none."""
         return _read_json(self.root / SAMPLES, default)
 
     def write_state(self, state: Any) -> None:
+        """Replace the run's state document (JSON: a bandit's state, a curriculum), atomically."""
         atomic_write_bytes(self.root / STATE, json.dumps(state, indent=1).encode())
 
     def read_state(self, default: Any = None) -> Any:
+        """The run's state document, or ``default`` when there is none."""
         return _read_json(self.root / STATE, default)
 
     # ---- pivot ------------------------------------------------------------------------
@@ -168,6 +177,7 @@ class RunLog:
         return dest
 
     def pivots(self) -> list[dict]:
+        """The pivot events of the loss history, oldest first."""
         return self.read_loss().events("pivot")
 
 

@@ -98,51 +98,82 @@ class CheckpointStore(AbstractContextManager):
                  on_stats: Callable[[dict], None] | None = None, overlap: bool = False,
                  orphan_grace: float | None = 3600.0, storage_options: dict | None = None,
                  fs: AbstractFileSystem | None = None) -> None:
-        """``local``: the run directory. ``remote``: any fsspec URL (s3://bucket/prefix,
-        file:///mnt/nas/run, memory://...), with ``remote_options`` passed to fsspec/s3fs
-        (``storage_options`` is the same, under fsspec's name; ``fs``/``remote_fs``: an fsspec
-        filesystem instance to use for the remote instead of one made from the URL).
-        ``compression``: "zstd-dtype" (float-aware by each tensor's dtype, default),
-        "zstd-planes" (fp32 planes for every byte, the earlier default), "zstd" or None for uploads.
-        ``uploads``: "newest" (default: when uploads lag, only the newest waiting step is sent;
-        older waiting ones are superseded, KeepEvery milestones of ``keep_remote`` excepted) or
-        "all" (every step; ``save`` waits while more than ``max_pending_uploads`` are waiting).
-        ``upload_backoff``: (first, cap[, slow]) seconds between retries: transient errors from
-        ``first`` doubling to ``cap``; errors retrying does not fix every ``slow`` seconds.
-        ``request_timeout``: seconds one remote request may take (plus 1 s per MB it moves).
-        ``audit_interval``: how often an idle uploader checks that the remote still holds its
-        newest upload. ``on_upload_error(step, exc)``: called on the uploader thread when an
-        upload fails in a way retrying does not fix (access denied, no bucket, another writer).
-        ``read_only``: a reader (eval job, notebook): lists and restores, never writes or deletes.
-        ``takeover``: become the remote's writer even if another writer's lease has not lapsed.
-        ``allow_unfenced``: open for writing even where the server ignores or refuses
-        conditional writes (If-None-Match/If-Match), found out at open; there no second writer
-        is fenced off (a zombie of a relaunched job can commit), so only when one writer ever
-        runs. By default such a server is refused at open, with this said.
-        ``distributed``: one shard per rank of the torch.distributed world (default: when
-        a process group of more than one rank is initialized); every rank must create
-        its store at the same point.
-        ``stall_budget``: the share of wall-clock time ``save()`` may block the loop before a
-        warning says so (default 2%). ``on_stats(record)``: called with every save's and
-        upload's cost record (see ``stats()`` and RUN_DIR/.events.jsonl).
-        ``overlap``: the default of ``save(..., overlap=)`` (see there).
-        ``close_timeout``: how long ``close()`` waits for pending uploads when it drains them.
-        ``upload_on_exit``: after SIGTERM (a preemption: the node may never come back), what
-        ``close()`` spends uploading the step just saved, first and alone, before it exits
-        (default 20 s: with the save and ``exit_timeout`` it fits Kubernetes' 30 s grace; 0: none).
-        ``exit_timeout``: what ``close()`` may spend on the remote after that -- or after the drain:
-        requests in flight are cancelled and the writer lease is
-        released within it (default 2 s; an unreleased lease lapses). The next start resumes
-        every upload that did not finish.
-        ``on_save_error``: "raise" (default) raises a failed background write, once, at the next
-        ``save``, ``wait`` or ``close``; "warn" logs it and goes on (the next save tries again), for
-        a loop that must never stop over a checkpoint -- ``stats()``, ``upload_status()`` and
-        ``tieredckpt ls`` report the failures. Either way a full disk is met by evicting, before
-        the write, what rotation would evict after it (see ``_make_room``).
-        ``orphan_grace``: objects on the remote that no committed step names (the parts of an upload
-        a crash cut short) are deleted by this store, the remote's writer, once they are this many
-        seconds old; it looks after an upload commits, at most once per that interval (default an
-        hour). None leaves them to ``tieredckpt gc``."""
+        """Open (or create) a run's store.
+
+        :param local: the run directory on this machine's disk (a path, never a URL; created
+            when missing).
+        :param remote: where steps are copied in the background: any fsspec URL
+            (``s3://bucket/prefix``, ``file:///mnt/nas/run``, ``gs://...``, ``memory://...``).
+            None: local only.
+        :param keep_local: how many committed steps stay on local disk (the newest ones; a step
+            not yet on the remote is kept until it is).
+        :param every: the save interval in steps, for ``should_save(step)`` and ``step_end``
+            (0: only on request, a SIGUSR1 or SIGTERM).
+        :param verify: what a restore checks before a byte reaches the model: "crc" (crc32c of
+            every shard, default), "sha256" (also the sha256, slower) or "none".
+        :param remote_options: options for the remote's fsspec filesystem (s3fs: ``key``,
+            ``secret``, ``endpoint_url``, ``client_kwargs``...). Credentials are never logged.
+        :param keep_remote: which steps the remote keeps: ``KeepLast(n)``, ``KeepEvery(k)`` or
+            ``AnyOf(...)`` of them. None: every step.
+        :param compression: how uploads are compressed: "zstd-dtype" (by each tensor's dtype,
+            default), "zstd-planes" (fp32 byte planes), "zstd", or None (raw). Local steps are
+            never compressed.
+        :param compression_level: the zstd level (1-22; 1 keeps up with the network).
+        :param uploads: "newest" (default: when uploads lag, only the newest waiting step is
+            sent; older waiting ones are superseded, KeepEvery milestones excepted) or "all"
+            (every step is sent; ``save`` waits while more than ``max_pending_uploads`` wait).
+        :param max_pending_uploads: with ``uploads="all"``, how many steps may wait for upload
+            before ``save`` blocks (None: no limit).
+        :param upload_backoff: ``(first, cap[, slow])`` seconds between retries: a transient
+            error is retried after ``first`` seconds, doubling up to ``cap``; an error a retry
+            does not fix (access denied, no bucket) every ``slow`` seconds.
+        :param request_timeout: seconds one remote request may take, plus one second per MB it
+            moves.
+        :param audit_interval: seconds between an idle uploader's checks that the remote still
+            holds its newest upload (a damaged or deleted step is sent again).
+        :param on_upload_error: ``fn(step, exc)``, called on the uploader's thread when an upload
+            fails in a way retrying does not fix.
+        :param upload_part_size: bytes per uploaded object part (default 64 MiB); unchanged
+            parts are never sent twice.
+        :param close_timeout: seconds ``close()`` waits for pending uploads when it drains them
+            (None: no limit).
+        :param exit_timeout: seconds ``close()`` may spend on the remote after the drain (or
+            after ``upload_on_exit``): requests in flight are cancelled and the writer lease
+            released within it. The next start resumes every upload that did not finish.
+        :param upload_on_exit: after SIGTERM (a preemption: the node may never come back), the
+            seconds ``close()`` spends uploading the step just saved, first and alone, before it
+            exits (default 20: with the save and ``exit_timeout`` it fits Kubernetes' 30 s
+            grace; 0: none).
+        :param on_save_error: "raise" (default): a failed background write is raised once, at
+            the next ``save``, ``wait`` or ``close``; "warn": it is logged and the loop goes on
+            (the next save tries again; ``stats()``, ``upload_status()`` and ``tieredckpt ls``
+            report it). A full disk is met first by evicting what rotation would evict anyway.
+        :param read_only: a reader (an eval job, a notebook): lists and restores, never writes,
+            deletes or takes the writer's lease.
+        :param takeover: become the remote's writer even if another writer's lease has not
+            lapsed (the other writer is fenced off and never writes there again).
+        :param allow_unfenced: open for writing even where the server ignores or refuses
+            conditional writes (If-None-Match/If-Match), which is found out at open. There a
+            second writer is not fenced off, so only when one writer ever runs. By default such
+            a server is refused at open, with this said.
+        :param remote_fs: the same as ``fs`` (the older name).
+        :param distributed: one shard per rank of the torch.distributed world (default: when a
+            process group of more than one rank is initialized). Every rank creates its store at
+            the same point.
+        :param stall_budget: the share of wall-clock time ``save()`` may block the loop before a
+            warning says so (default 0.02: 2%).
+        :param on_stats: ``fn(record)``, called with every save's and upload's cost record (see
+            ``stats()``; also written to ``RUN_DIR/.events.jsonl``).
+        :param overlap: the default of ``save(..., overlap=)``.
+        :param orphan_grace: seconds after which objects on the remote that no committed step
+            names (parts of an upload a crash cut short) are deleted by the remote's writer; it
+            looks at most once per that interval. None leaves them to ``tieredckpt gc``.
+        :param storage_options: the same as ``remote_options``, under fsspec's name.
+        :param fs: an fsspec filesystem instance for the remote, used instead of one made from
+            ``remote`` (which is still required: it names the prefix).
+        :raises WriterConflictError: another live writer holds the run directory or the remote.
+        :raises ValueError: an option out of range, or a URL given as ``local``.
+        """
         opening.check_local(local, remote)
         remote_options = opening.alias("storage_options", storage_options, "remote_options", remote_options)
         remote_fs = opening.alias("fs", fs, "remote_fs", remote_fs)
@@ -236,7 +267,13 @@ class CheckpointStore(AbstractContextManager):
     @classmethod
     def from_config(cls, config: StoreConfig | dict | str | os.PathLike, section: str = "checkpoint",
                     **overrides: Any) -> CheckpointStore:
-        """A store from a StoreConfig, a dict (the checkpoint section), or a .toml/.yaml/.json path."""
+        """A store from a config file's checkpoint section.
+
+        :param config: a ``StoreConfig``, a dict (the section itself), a ``StoreConfig.from_env()``,
+            or the path of a .toml, .yaml/.yml or .json file.
+        :param section: the section of the file that holds the options (``[checkpoint]``).
+        :param overrides: options that replace the file's, including those a file cannot hold
+            (``on_upload_error``, ``on_stats``, ``fs``)."""
         from .config import StoreConfig
         if isinstance(config, (str, os.PathLike)):
             config = StoreConfig.load(config, section)
@@ -260,13 +297,28 @@ class CheckpointStore(AbstractContextManager):
         ``step()`` waits until it is; everything else is copied before this returns.
         Pass the optimizer object itself (``{"optim": opt}``), not ``opt.state_dict()``.
         Code other than ``step()`` that changes parameters in place before then must
-        call ``handle.wait_copied()`` first."""
+        call ``handle.wait_copied()`` first.
+
+        :param step: the step number; a committed step is never overwritten.
+        :param state: a tree of tensors, numbers, strings, lists, tuples, dicts and objects with
+            ``state_dict()`` (models, optimizers, schedulers); nothing pickled.
+        :param user: JSON metadata kept in the manifest (``tieredckpt inspect`` shows it).
+        :param param_span: this rank's ``(offset, numel)`` of the flat parameter space.
+        :param overlap: copy the optimizers' tensors in the background (default: the store's).
+        :returns: a ``SaveHandle``: ``wait()`` for the commit, ``wait_copied()`` for the copy.
+        :raises CheckpointExistsError: ``step`` is already committed.
+        :raises UnsupportedStateError: a value the format does not store (named by its place).
+        :raises BackgroundSaveError: the previous save's background write failed."""
         return saving.save(self, step, state, user, param_span, overlap)
 
     def commit_unstaged(self, step: int, state: Any, user: dict | None = None) -> ShardManifest:
         """Write ``state`` as ``step`` on the writer thread and wait for the commit, with no staging
         copy: for a caller that leaves the tensors unchanged until this returns (the DCP writer,
-        inside ``dcp.save``, or on ``dcp.async_save``'s own staged copy). Every rank calls it."""
+        inside ``dcp.save``, or on ``dcp.async_save``'s own staged copy). Every rank calls it.
+
+        :param step: the step number.
+        :param state: the tree to write, as for ``save``.
+        :param user: JSON metadata for the manifest."""
         return saving.commit_unstaged(self, step, state, user)
 
     def save_files(self, step: int, directory: str | os.PathLike, *, user: dict | None = None,
@@ -288,7 +340,12 @@ class CheckpointStore(AbstractContextManager):
         checkpoint into a new folder and only delete old ones (as the Hugging Face Trainer
         does). A file rewritten in place would write through into the committed step; the
         damage is found (a warning at the next save, the crc32c of every restore and upload),
-        but where no other tier holds that step it is lost."""
+        but where no other tier holds that step it is lost.
+
+        :param step: the step number.
+        :param directory: the folder to commit.
+        :param user: JSON metadata for the manifest.
+        :param link: hard-link instead of copying (see above)."""
         return folders.save_files(self, step, Path(directory), user, link)
 
     def restore_files(self, step: int | None = None, *, to: str | os.PathLike) -> int | None:
@@ -297,14 +354,21 @@ class CheckpointStore(AbstractContextManager):
         remote (also onto a machine with nothing local). ``to`` appears whole or not at all.
         Returns the step restored, or None when no tier holds any step (and none was named).
         A newer step that fails its checks on every tier is named in a warning and the next
-        older one is used, as ``restore`` does."""
+        older one is used, as ``restore`` does.
+
+        :param step: the step (default: the newest).
+        :param to: the directory to create (or an empty one)."""
         return folders.restore_files(self, step, Path(to))
 
     def should_save(self, step: int) -> bool:
-        """Cadence (``step % every == 0``) or a pending SIGUSR1/SIGTERM request."""
+        """Whether to save at ``step``: the cadence (``step % every == 0``) or a pending SIGUSR1
+        or SIGTERM request.
+
+        :param step: the step just finished."""
         return (self.every > 0 and step % self.every == 0) or self.requests.save_requested()
 
     def should_stop(self) -> bool:
+        """True once SIGTERM asked the run to stop (inside ``handle_signals``): save this step, close, exit."""
         return self.requests.stop_requested()
 
     def step_end(self, step: int, state: Any | Callable[[], Any], *,
@@ -312,6 +376,10 @@ class CheckpointStore(AbstractContextManager):
         """The step boundary: save if due (``state`` may be a callable), return True to stop.
 
         On a stop request the checkpoint is committed before this returns.
+
+        :param step: the step just finished.
+        :param state: the state to save, or a function that returns it (called only when due).
+        :param param_span: as for ``save``.
         """
         save_now, stop = self.should_save(step), self.should_stop()
         if self.ranks is not None:  # a signal to any one rank: every rank saves this step
@@ -329,6 +397,12 @@ class CheckpointStore(AbstractContextManager):
         return handle_signals(self.requests)
 
     def log_loss(self, step: int, loss: float, **extra: Any) -> None:
+        """Append a loss to the run's history (``RUN_DIR/.loss.json``, kept across resumes,
+        uploaded with the run and drawn by ``tieredckpt plot``).
+
+        :param step: the step.
+        :param loss: its loss.
+        :param extra: more numbers to keep with it (``lr=...``)."""
         self._check_writable()
         if self.rank == 0:
             self.run.append_loss(step, loss, **extra)
@@ -336,7 +410,12 @@ class CheckpointStore(AbstractContextManager):
     # ---- waiting and closing ------------------------------------------------------------
 
     def wait(self, uploads: bool = False, timeout: float | None = None) -> bool:
-        """Block until committed; raise BackgroundSaveError if the write failed."""
+        """Block until the pending save is committed (and with ``uploads``, uploaded).
+
+        :param uploads: also wait until every committed step is on the remote.
+        :param timeout: seconds to wait at most (None: no limit).
+        :returns: False when ``timeout`` passed first.
+        :raises BackgroundSaveError: the write failed."""
         return closing.wait(self, uploads, timeout)
 
     def close(self, drain_uploads: bool | None = None, *, preempted: bool | None = None) -> None:
@@ -350,6 +429,10 @@ class CheckpointStore(AbstractContextManager):
         requests in flight are cancelled and the lease released within ``exit_timeout``:
         a hanging remote never holds the exit up. Uploads that failed for good are
         raised here, every step of them, as one UploadError.
+
+        :param drain_uploads: wait for pending uploads (default: yes, unless stopping on
+            SIGTERM or an exception).
+        :param preempted: send the newest step first, within ``upload_on_exit``.
         """
         closing.close(self, drain_uploads, preempted)
 
@@ -389,9 +472,15 @@ class CheckpointStore(AbstractContextManager):
         an optimizer...), which are loaded from the matching saved entries; every
         key is checked before any object is touched. ``mark_resume`` records the
         resume in the loss history so replayed steps can be told apart.
-        ``reshard``: a checkpoint written by another number of ranks is re-split
-        for this world (ZeRO-style "flat" state, see _tiers/reshard.py); without
-        it a world-size change is refused.
+
+        :param step: the step (default: the newest that loads and verifies).
+        :param into: top-level keys mapped to objects with ``load_state_dict``.
+        :param mark_resume: record the resume in the loss history.
+        :param reshard: re-split a checkpoint written by another number of ranks (ZeRO-style
+            "flat" state) for this world; without it a world-size change is refused.
+        :returns: the saved state (with ``into``, its objects are loaded too), or None.
+        :raises CheckpointNotFoundError: the named step is on no tier.
+        :raises IncompatibleStateError: a saved entry does not fit its object; nothing was loaded.
         """
         return restoring.restore(self, step, into, mark_resume, reshard)
 
@@ -401,7 +490,11 @@ class CheckpointStore(AbstractContextManager):
         every rank. The step is committed, rotated and uploaded like one ``save()`` wrote.
         ``extra``: a plain tree (tensors, numbers, strings, lists, dicts) kept beside this rank's
         entries, outside DCP's planner; ``store.dcp_reader(step).read_extra()`` gives it back.
-        ``user``: JSON metadata for the manifest, as ``save(user=...)`` (the same on every rank)."""
+        ``user``: JSON metadata for the manifest, as ``save(user=...)`` (the same on every rank).
+
+        :param step: the step number.
+        :param extra: the plain tree kept beside this rank's entries.
+        :param user: JSON metadata for the manifest."""
         from .dcp import TieredWriter
         self._check_writable()
         return TieredWriter(self, step, extra, user)
@@ -409,7 +502,9 @@ class CheckpointStore(AbstractContextManager):
     def dcp_reader(self, step: int | None = None) -> TieredReader:
         """A torch.distributed.checkpoint StorageReader of ``step`` (default: the newest on any
         tier): ``dcp.load(state, storage_reader=store.dcp_reader())``. Local copies are preferred;
-        a missing or corrupt one is read from the remote (also on a machine with nothing local)."""
+        a missing or corrupt one is read from the remote (also on a machine with nothing local).
+
+        :param step: the step (default: the newest)."""
         from .dcp import TieredReader
         self._check_open()
         return TieredReader(self, step)
@@ -472,7 +567,12 @@ class CheckpointStore(AbstractContextManager):
     # ---- side files and forks -----------------------------------------------------------
 
     def pivot(self, step: int, note: str = "") -> Path:
-        """Archive samples and bandit state (never the loss history) and start them clean."""
+        """Archive the run's side files (samples, bandit state; never the loss history) under
+        ``archive/pivot_step_NNNNNN/`` and start them clean: a change of course at ``step``.
+
+        :param step: the step of the change.
+        :param note: why, kept with the archive.
+        :returns: the archive's directory."""
         self._check_writable()
         return self.run.pivot(step, note)
 
@@ -486,5 +586,11 @@ class CheckpointStore(AbstractContextManager):
         the file), and only the manifests travel. The copies belong to the new run, so retention in
         either run never breaks the other. The step must be on this store's remote already
         (``wait(uploads=True)``); ``remote_options`` default to this store's. A store opened on the
-        new run with that remote finds the step there and sends nothing."""
+        new run with that remote finds the step there and sends nothing.
+
+        :param step: the step to copy.
+        :param new_run_dir: the new run's directory (one that holds no checkpoints yet).
+        :param remote: the new run's remote.
+        :param remote_options: its filesystem options.
+        :returns: the new run's directory."""
         return forks.fork(self, step, Path(new_run_dir), remote, remote_options)

@@ -36,9 +36,12 @@ class KeepLast:
             raise ValueError(f"KeepLast needs n >= 1, got {self.n!r}")
 
     def keep(self, steps: Iterable[int]) -> set[int]:
+        """The steps of ``steps`` this policy keeps on the remote."""
         return set(sorted(set(steps))[-self.n:])
 
     def pins(self, step: int) -> bool:
+        """Whether ``step`` is a milestone: kept however uploads lag (``uploads="newest"``
+        never supersedes it)."""
         return False
 
 
@@ -51,9 +54,12 @@ class KeepEvery:
             raise ValueError(f"KeepEvery needs every >= 1, got {self.every!r}")
 
     def keep(self, steps: Iterable[int]) -> set[int]:
+        """The steps of ``steps`` this policy keeps on the remote."""
         return {s for s in steps if s % self.every == 0}
 
     def pins(self, step: int) -> bool:
+        """Whether ``step`` is a milestone: kept however uploads lag (``uploads="newest"``
+        never supersedes it)."""
         return step % self.every == 0
 
 
@@ -65,6 +71,7 @@ class AnyOf:
         object.__setattr__(self, "policies", tuple(policies))
 
     def keep(self, steps: Iterable[int]) -> set[int]:
+        """The steps of ``steps`` this policy keeps on the remote."""
         steps = list(steps)
         kept: set[int] = set()
         for policy in self.policies:
@@ -72,6 +79,8 @@ class AnyOf:
         return kept
 
     def pins(self, step: int) -> bool:
+        """Whether ``step`` is a milestone: kept however uploads lag (``uploads="newest"``
+        never supersedes it)."""
         return any(pins(policy, step) for policy in self.policies)
 
 
