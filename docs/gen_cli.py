@@ -68,15 +68,31 @@ def run(work: Path, command: str) -> str:
     return out + (f"\n(exit status {done.returncode})" if done.returncode else "")
 
 
-def main() -> None:
+EXIT_CODES = """| exit | meaning |
+|---|---|
+| 0 | fine |
+| 1 | a problem found: a damaged checkpoint, saves failing, a remote step that does not restore |
+| 2 | bad usage (an unknown option, a missing argument) |
+| 3 | the command could not run: no such run or step, the remote refused or cannot be reached, a full disk |
+| 130 | interrupted (Ctrl-C) |
+| 141 | the output pipe closed (`tieredckpt ls RUN \\| head`) |"""
+
+
+def render() -> str:
+    """The page, from a run made here and the commands' real output."""
     work = Path(tempfile.mkdtemp(prefix="tieredckpt-cli-"))
     try:
         make_run(work)
         page = ["# CLI", "",
                 "`tieredckpt` inspects and manages runs, local or remote. Every command below ran as shown",
-                "(written by `docs/gen_cli.py` on a small run with a `file://` remote; paths shortened).",
-                "Exit status: 0 fine, 1 an error or a problem found, 2 bad usage, 130 interrupted, 141 the output pipe closed (`| head`); `--debug`",
-                "shows the traceback of an error.", "", "## A session", ""]
+                "(written by `docs/gen_cli.py` on a small run with a `file://` remote; paths shortened;",
+                "`tests/test_docs.py` runs it again and compares). Global flags (`--debug`: the traceback",
+                "of an error) go before or after the command.", "",
+                "## Exit codes and errors", "", EXIT_CODES, "",
+                "An error is one line on stderr: `tieredckpt: error (ErrorClass): ` and what went wrong,",
+                "naming the file, step or URL. Look the class up in [Troubleshooting](troubleshooting.md).", "",
+                "```console", "$ tieredckpt ls runs/missing", run(work, "ls runs/missing"), "```", "",
+                "## A session", ""]
         for text, command in SESSION:
             if text:
                 page += [text, ""]
@@ -85,9 +101,13 @@ def main() -> None:
         page += ["## Every command", ""]
         for name in COMMANDS:
             page += [f"### `tieredckpt {name}`", "", "```text", run(work, f"{name} --help"), "```", ""]
-        (ROOT / "docs" / "cli.md").write_text("\n".join(page))
+        return "\n".join(page)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def main() -> None:
+    (ROOT / "docs" / "cli.md").write_text(render())
 
 
 if __name__ == "__main__":

@@ -81,8 +81,8 @@ def test_convert_flat_to_checkpoint_and_back(tmp_path):
 ])
 def test_user_errors_are_one_clear_line_without_traceback(run, args, message):
     out = cli(*[a.format(run=run) for a in args])
-    assert out.returncode == 1
-    assert message in out.stderr
+    assert out.returncode == 3  # could not run (1 is for a problem found)
+    assert message in out.stderr and out.stderr.startswith("tieredckpt: error (CheckpointNotFoundError): ")
     assert "Traceback" not in out.stderr
 
 
@@ -110,7 +110,7 @@ def test_plot_writes_a_png_of_the_loss_history(tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
     out = cli("plot", empty)
-    assert out.returncode == 1 and "no loss entries" in out.stderr
+    assert out.returncode == 3 and "no loss entries" in out.stderr
 
 
 def test_output_into_a_closed_pipe_ends_quietly(run):
@@ -143,7 +143,7 @@ def test_remote_option_values_are_json_where_they_parse_and_secrets_stay_text():
 def test_the_debug_flag_works_after_the_command_too(tmp_path):
     for argv in (["--debug", "ls", str(tmp_path / "none")], ["ls", str(tmp_path / "none"), "--debug"]):
         out = subprocess.run([sys.executable, "-m", "tieredckpt.cli", *argv], capture_output=True, text=True)
-        assert out.returncode == 1 and "Traceback" in out.stderr, (argv, out.stderr)
+        assert out.returncode == 3 and "Traceback" in out.stderr, (argv, out.stderr)
     plain = subprocess.run([sys.executable, "-m", "tieredckpt.cli", "ls", str(tmp_path / "none")],
                            capture_output=True, text=True)
-    assert plain.returncode == 1 and "Traceback" not in plain.stderr and "no such run directory" in plain.stderr
+    assert plain.returncode == 3 and "Traceback" not in plain.stderr and "no such run directory" in plain.stderr

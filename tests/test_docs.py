@@ -139,3 +139,20 @@ def test_no_public_docstring_points_at_a_private_name():
            [(n, d) for n, _, d in documented_callables()]
     found = {n: private.findall(d) for n, d in docs if private.search(d)}
     assert not found, found
+
+
+def _shape(text: str) -> list[str]:
+    """A page's lines with what changes run to run masked: numbers, the writer's token."""
+    text = re.sub(r"\([0-9a-f]{8}\)", "(TOKEN)", text)
+    return [re.sub(r"\d+(\.\d+)?", "N", line).rstrip() for line in text.splitlines()]
+
+
+def test_the_cli_page_is_what_the_commands_print_today():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("gen_cli", ROOT / "docs" / "gen_cli.py")
+    gen_cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen_cli)
+    page, today = (ROOT / "docs" / "cli.md").read_text(), gen_cli.render()
+    stale = [(a, b) for a, b in zip(_shape(page), _shape(today)) if a != b]
+    assert not stale and len(page.splitlines()) == len(today.splitlines()), \
+        f"docs/cli.md is stale (python docs/gen_cli.py writes it again): {stale[:3]}"

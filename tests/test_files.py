@@ -284,6 +284,6 @@ def test_cli_push_dir_and_restore_dir_on_a_fresh_machine(tmp_path, moto_server):
     assert "restored step 500" in got.stdout
     assert read_tree(tmp_path / "fresh" / "checkpoint-500") == want
     again = cli("restore-dir", tmp_path / "run", "--to", tmp_path / "fresh" / "checkpoint-500")
-    assert again.returncode == 1 and "not empty" in again.stderr
+    assert again.returncode == 3 and "not empty" in again.stderr
     bad = cli("push-dir", tmp_path / "run", 501, tmp_path / "missing")
-    assert bad.returncode == 1 and "missing" in bad.stderr and "Traceback" not in bad.stderr
+    assert bad.returncode == 3 and "missing" in bad.stderr and "Traceback" not in bad.stderr

@@ -60,7 +60,7 @@ def test_ls_push_and_restore_on_a_fresh_machine(tmp_path, moto_server):
     out = cli("restore", url, "--to", tmp_path / "old", "--step", 2, endpoint=moto_server.endpoint)
     assert out.returncode == 0 and LocalTier(tmp_path / "old").steps() == [2]
     out = cli("restore", url, "--to", tmp_path / "x", "--step", 9, endpoint=moto_server.endpoint)
-    assert out.returncode == 1 and "no uploaded checkpoint for step 9" in out.stderr and "Traceback" not in out.stderr
+    assert out.returncode == 3 and "no uploaded checkpoint for step 9" in out.stderr and "Traceback" not in out.stderr
 
 
 class GatedFS:

@@ -91,7 +91,7 @@ def test_cli_reshard_writes_a_new_run_at_the_new_world_size(tmp_path):
     assert torch.equal(assemble(new, "exp_avg_sq"), var) and torch.equal(assemble(new, "params"), params)
     bad = subprocess.run([sys.executable, "-m", "tieredckpt.cli", "reshard", str(tmp_path / "run"), "--world-size", "3"],
                          capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 1 and "never overwritten" in bad.stderr  # the output exists already
+    assert bad.returncode == 3 and "never overwritten" in bad.stderr  # the output exists already
 
 
 # ---- the n-D planner DTensor pieces use (boxes.cover) ------------------------------------

@@ -10,9 +10,12 @@
     tieredckpt plot RUN_DIR [-o PNG]          loss history with checkpoints and pivots
     tieredckpt gc REMOTE_URL [--grace S] [--force]   delete abandoned half-uploads and objects no step names
 
-Exit codes: 0 fine; 1 an error, or a problem found (a bad checkpoint, a failed
-upload); 2 bad usage; 130 interrupted. Errors print one line naming the file or
-object and the reason; ``--debug`` (or TIEREDCKPT_DEBUG=1) adds the traceback.
+Exit codes: 0 fine; 1 a problem found (a damaged checkpoint, failing saves, a remote
+step that does not restore); 2 bad usage; 3 the command could not run (no such run
+or step, the remote refused or cannot be reached, the disk is full); 130 interrupted; 141 the
+output pipe closed. Errors print one line, ``tieredckpt: error (ErrorClass): ...``,
+naming the file or object and the reason (docs/troubleshooting.md has an entry per
+class); ``--debug`` (or TIEREDCKPT_DEBUG=1) adds the traceback.
 Remote credentials come from the environment (AWS_ACCESS_KEY_ID, ...) or
 ``--remote-option key=value``; they are never printed.
 """
@@ -37,7 +40,16 @@ from ._format.shardheader import read_header
 from ._tiers.local import LocalTier
 from ._tiers.runlock import RunLock
 from ._tiers.sharded import open_shard, verify_present
-from .errors import TieredCkptError
+from .errors import CorruptCheckpointError, TieredCkptError
+
+
+OK, PROBLEM, USAGE, FAILED, INTERRUPTED, PIPE_CLOSED = 0, 1, 2, 3, 130, 141
+
+
+def fail(message: str, kind: str = "CheckpointNotFoundError") -> int:
+    """One error line, as the handler in ``main`` prints it; the exit code of a command that could not run."""
+    print(f"tieredckpt: error ({kind}): {message}", file=sys.stderr)
+    return FAILED
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,18 +60,17 @@ def main(argv: list[str] | None = None) -> int:
     debug = args.debug or os.environ.get("TIEREDCKPT_DEBUG") == "1"
     logging.basicConfig(level=logging.DEBUG if debug else logging.WARNING, format="tieredckpt: %(message)s")
     try:
-        return args.func(args) or 0
+        return args.func(args) or OK
     except KeyboardInterrupt:
-        return 130
+        return INTERRUPTED
     except BrokenPipeError:  # `tieredckpt ls RUN | head`: the reader has what it wanted
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
-        return 141
+        return PIPE_CLOSED
     except Exception as exc:  # noqa: BLE001 - the one place a user could meet a traceback
         if debug:
             traceback.print_exc()
-        kind = "" if isinstance(exc, (TieredCkptError, OSError, ValueError)) else f"{type(exc).__name__}: "
-        print(f"tieredckpt: error: {kind}{exc}", file=sys.stderr)
-        return 1
+        code = fail(str(exc), type(exc).__name__)
+        return PROBLEM if isinstance(exc, CorruptCheckpointError) else code  # what it found is the damage
 
 
 def _global_flags_after_the_command(sub) -> None:
@@ -77,7 +88,8 @@ def _global_flags_after_the_command(sub) -> None:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tieredckpt", description="Inspect and manage tieredckpt runs.",
-                                epilog="exit codes: 0 fine, 1 error or problem found, 2 bad usage, 130 interrupted, 141 output pipe closed")
+                                epilog="exit codes: 0 fine, 1 a problem found (a damaged checkpoint), 2 bad usage, "
+                                       "3 could not run, 130 interrupted, 141 output pipe closed")
     p.add_argument("--debug", action="store_true", help="show the traceback of an error")
     p.add_argument("--version", action="version", version=f"tieredckpt {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
@@ -188,12 +200,9 @@ def cmd_restore(args) -> int:
     remote = open_remote(args.remote_url, args)
     step = args.step if args.step is not None else remote.newest_step()
     if step is None:
-        print(f"tieredckpt: error: {remote.display_url}: no uploaded checkpoints", file=sys.stderr)
-        return 1
+        return fail(f"{remote.display_url}: no uploaded checkpoints")
     if not remote.is_committed(step):
-        print(f"tieredckpt: error: {remote.display_url}: no uploaded checkpoint for step {step} "
-              f"(the newest is {remote.newest_step()})", file=sys.stderr)
-        return 1
+        return fail(f"{remote.display_url}: no uploaded checkpoint for step {step} (the newest is {remote.newest_step()})")
     tier = LocalTier(args.to)
     lock = RunLock(tier.root)
     lock.acquire()  # we write into this run directory: nobody else may
@@ -277,8 +286,7 @@ def cmd_restore_dir(args) -> int:
     with CheckpointStore(local, url, remote_options=remote_options(args, url), read_only=True) as store:
         step = store.restore_files(args.step, to=args.to)
     if step is None:
-        print(f"tieredckpt: error: {args.source}: holds no checkpoint", file=sys.stderr)
-        return 1
+        return fail(f"{args.source}: holds no checkpoint")
     print(f"restored step {step} from {args.source} into {args.to}")
     return 0
 
@@ -351,8 +359,7 @@ def cmd_verify(args) -> int:
     tier = LocalTier(args.run_dir, create=False)
     steps = [args.step] if args.step is not None else tier.steps()
     if not steps:
-        print(f"{tier.root}: no committed checkpoints to verify", file=sys.stderr)
-        return 1
+        return fail(f"{tier.root}: no committed checkpoints to verify")
     kind = "sha256+crc32c" if args.full else "crc32c"
     failed = 0
     for step in steps:
@@ -436,8 +443,7 @@ def cmd_convert(args) -> int:
         step = checkpoint_to_flat(src, args.dst, args.step)
         print(f"converted {src} step {step} -> {args.dst}")
     else:
-        print(f"tieredckpt: error: {src}: no such file or run directory", file=sys.stderr)
-        return 1
+        return fail(f"{src}: no such file or run directory")
     return 0
 
 
