@@ -42,7 +42,6 @@ from ._tiers.runlock import RunLock
 from ._tiers.sharded import open_shard, verify_present
 from .errors import CorruptCheckpointError, TieredCkptError
 
-
 OK, PROBLEM, USAGE, FAILED, INTERRUPTED, PIPE_CLOSED = 0, 1, 2, 3, 130, 141
 
 
