@@ -144,7 +144,7 @@ def test_no_public_docstring_points_at_a_private_name():
 def _shape(text: str) -> list[str]:
     """A page's lines with what changes run to run masked: numbers, the writer's token."""
     text = re.sub(r"\([0-9a-f]{8}\)", "(TOKEN)", text)
-    return [re.sub(r"\d+(\.\d+)?", "N", line).rstrip() for line in text.splitlines()]
+    return [" ".join(re.sub(r"\d+(\.\d+)?", "N", line).split()) for line in text.splitlines()]  # widths too
 
 
 def test_the_cli_page_is_what_the_commands_print_today():
