@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 from .._format import layout
+from .._loop.config import json_or_text
 from .._tiers.local import LocalTier
 
 
@@ -28,12 +29,7 @@ def remote_options(args, url: str | None) -> dict:
 _TEXT_OPTIONS = {"key", "secret", "token", "endpoint_url", "profile", "region_name"}  # a digits-only secret stays text
 
 
-def option_value(text: str):
-    """``true``/``false``/``null``, numbers, lists and objects as JSON; anything else, the text."""
-    try:
-        return json.loads(text)
-    except ValueError:
-        return text
+option_value = json_or_text  # the same rule as the TIEREDCKPT_* variables of a StoreConfig
 
 
 def recorded_remote(run_dir, args) -> str | None:

@@ -141,7 +141,7 @@ class StoreConfig:
         that parses as JSON is that value (numbers, true/false, tables as ``{"last": 5}``),
         anything else a string."""
         source = os.environ if environ is None else environ
-        raw = {name[len(prefix):].lower(): _json_or_text(value) for name, value in source.items()
+        raw = {name[len(prefix):].lower(): json_or_text(value) for name, value in source.items()
                if name.startswith(prefix) and name != prefix + "DEBUG"}
         return cls.from_dict(raw, f"the environment ({prefix}*)")
 
@@ -170,12 +170,13 @@ class StoreConfig:
         return cls.from_dict(doc[section], f"{path} [{section}]")
 
 
-def _json_or_text(value: str) -> Any:
+def json_or_text(text: str) -> Any:
+    """``true``/``false``/``null``, numbers, lists and objects as JSON; anything else, the text."""
     import json
     try:
-        return json.loads(value)
+        return json.loads(text)
     except ValueError:
-        return value
+        return text
 
 
 def _policy(raw: Any, source: str) -> Policy | None:
